@@ -1,0 +1,79 @@
+-- hybridlimit token bucket: refill, check and deduct on one key, in one script.
+--
+-- KEYS[1]  the bucket key
+-- ARGV[1]  q: tokens added per period (integer >= 1)
+-- ARGV[2]  p: period length in microseconds (integer >= 1)
+-- ARGV[3]  burst: capacity in tokens (integer >= 1)
+-- ARGV[4]  n: tokens to take (integer >= 1)
+--
+-- Fixed point: the level is kept in units of 1/p token, so one microsecond
+-- adds exactly q units and no remainder is ever lost. Every number stays an
+-- integer below 2^53, which Lua's doubles hold exactly; the client checks
+-- burst * p against that bound before it calls.
+--
+-- The value is the string "<level> <time>", time in microseconds of Redis TIME:
+-- client clocks are never read. A denial writes nothing: the stored state
+-- already implies the refilled level, so the TTL set by the last write stays
+-- right. A value that is not ours (another type, or a string we cannot read)
+-- is replaced by a full bucket and reported.
+--
+-- Returns {allowed, level, retry_after_us, reset_after_us, repaired, now_us}.
+
+local key = KEYS[1]
+local q = tonumber(ARGV[1])
+local p = tonumber(ARGV[2])
+local cap = tonumber(ARGV[3]) * p
+local cost = tonumber(ARGV[4]) * p
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+
+local level = cap
+local repaired = 0
+local raw = redis.pcall('GET', key)
+if type(raw) == 'table' and raw.err then
+  repaired = 1
+  redis.call('DEL', key)
+elseif raw then
+  local l, s = string.match(raw, '^(%d+) (%d+)$')
+  if l then
+    level = tonumber(l)
+    local elapsed = now - tonumber(s)
+    -- A clock that went back (failover to a replica) refills nothing.
+    if elapsed > 0 then
+      local missing = cap - level
+      if elapsed * q >= missing then
+        level = cap
+      else
+        level = level + elapsed * q
+      end
+    end
+    -- A smaller burst than last time caps the level.
+    if level > cap then
+      level = cap
+    end
+  else
+    repaired = 1
+  end
+end
+
+local allowed = 0
+local retry = 0
+if cost <= level then
+  allowed = 1
+  level = level - cost
+end
+if allowed == 1 or repaired == 1 then
+  -- Expire one second after the bucket would be full again.
+  local ttl = math.ceil((cap - level) / q / 1000) + 1000
+  redis.call('SET', key, string.format('%.0f %.0f', level, now), 'PX', ttl)
+end
+if allowed == 0 then
+  if cost > cap then
+    retry = -1
+  else
+    retry = math.ceil((cost - level) / q)
+  end
+end
+local reset = math.ceil((cap - level) / q)
+return {allowed, level, retry, reset, repaired, now}

@@ -1,0 +1,277 @@
+package remote
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+)
+
+// t0 is a fixed Redis TIME for the script tests.
+var t0 = time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
+
+func newMini(t *testing.T) (*miniredis.Miniredis, *Pipe) {
+	t.Helper()
+	m := miniredis.RunT(t)
+	m.SetTime(t0)
+	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
+	t.Cleanup(func() { c.Close() })
+	p := NewPipe(c, 2)
+	t.Cleanup(p.Close)
+	return m, p
+}
+
+func mustLimit(t *testing.T, rate float64, burst int64) Limit {
+	t.Helper()
+	l, err := NewLimit(rate, burst)
+	if err != nil {
+		t.Fatalf("NewLimit(%v, %d) = %v", rate, burst, err)
+	}
+	return l
+}
+
+// step is one script call at an offset from t0.
+type step struct {
+	at        time.Duration
+	n         int64
+	allowed   bool
+	remaining int64         // whole tokens after the call
+	retry     time.Duration // RetryAfter
+}
+
+func run(t *testing.T, m *miniredis.Miniredis, p *Pipe, key string, lim Limit, steps []step) {
+	t.Helper()
+	for i, s := range steps {
+		m.SetTime(t0.Add(s.at))
+		res, err := p.Take(context.Background(), key, lim, s.n)
+		if err != nil {
+			t.Fatalf("step %d: Take(%q, %d) error %v", i, key, s.n, err)
+		}
+		got := step{s.at, s.n, res.Allowed, res.Level / lim.P, res.RetryAfter}
+		if got != s {
+			t.Errorf("step %d: Take(%q, %d) = %+v; want %+v", i, key, s.n, got, s)
+		}
+	}
+}
+
+func TestScript(t *testing.T) {
+	ms := time.Millisecond
+	tests := []struct {
+		name  string
+		rate  float64
+		burst int64
+		steps []step
+	}{
+		{"full bucket then denied", 10, 3, []step{
+			{0, 1, true, 2, 0},
+			{0, 2, true, 0, 0},
+			{0, 1, false, 0, 100 * ms},
+			{0, 3, false, 0, 300 * ms},
+		}},
+		{"refill across time", 10, 3, []step{
+			{0, 3, true, 0, 0},
+			{99 * ms, 1, false, 0, 1 * ms},
+			{100 * ms, 1, true, 0, 0},
+			{350 * ms, 2, true, 0, 0},
+			{350 * ms, 1, false, 0, 50 * ms},
+		}},
+		{"remainder of elapsed time kept", 10, 5, []step{
+			{0, 5, true, 0, 0},
+			// 50 ms is half a token: not enough, and nothing stored.
+			{50 * ms, 1, false, 0, 50 * ms},
+			// Another 50 ms completes it: the first half was not lost.
+			{100 * ms, 1, true, 0, 0},
+			// 150 ms: half a token accrued, taken from at 100 ms.
+			{250 * ms, 1, true, 0, 0},
+			{250 * ms, 1, false, 0, 50 * ms},
+		}},
+		{"denial consumes nothing", 1, 2, []step{
+			{0, 2, true, 0, 0},
+			{0, 1, false, 0, time.Second},
+			{0, 1, false, 0, time.Second},
+			{time.Second, 1, true, 0, 0},
+		}},
+		{"refill stops at burst", 100, 2, []step{
+			{0, 2, true, 0, 0},
+			{time.Hour, 1, true, 1, 0},
+			{time.Hour, 2, false, 1, 10 * ms},
+		}},
+		{"per minute", 100.0 / 60, 100, []step{
+			{0, 100, true, 0, 0},
+			{599 * ms, 1, false, 0, 1 * ms},
+			{600 * ms, 1, true, 0, 0},
+			{60600 * ms, 100, true, 0, 0},
+		}},
+		{"one per hour", 1.0 / 3600, 1, []step{
+			{0, 1, true, 0, 0},
+			{3599 * time.Second, 1, false, 0, time.Second},
+			{time.Hour, 1, true, 0, 0},
+		}},
+		{"a million per second", 1e6, 1000000, []step{
+			{0, 1000000, true, 0, 0},
+			{1 * time.Microsecond, 1, true, 0, 0},
+			{1 * time.Microsecond, 1, false, 0, time.Microsecond},
+			{500*ms + time.Microsecond, 500000, true, 0, 0},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			m, p := newMini(t)
+			run(t, m, p, "k", mustLimit(t, tt.rate, tt.burst), tt.steps)
+		})
+	}
+}
+
+func TestScriptTTL(t *testing.T) {
+	m, p := newMini(t)
+	lim := mustLimit(t, 10, 20)
+	ctx := context.Background()
+	if _, err := p.Take(ctx, "k", lim, 5); err != nil {
+		t.Fatal(err)
+	}
+	// 5 tokens at 10/s refill in 500 ms; the key lives 1 s longer.
+	if got, want := m.TTL("k"), 1500*time.Millisecond; got != want {
+		t.Errorf("TTL after taking 5 = %v; want %v", got, want)
+	}
+	// A denial does not touch the key.
+	if _, err := p.Take(ctx, "k", lim, 16); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := m.TTL("k"), 1500*time.Millisecond; got != want {
+		t.Errorf("TTL after a denial = %v; want %v", got, want)
+	}
+	// The key expires once it would be full: same as a fresh full bucket.
+	m.FastForward(1500 * time.Millisecond)
+	if m.Exists("k") {
+		t.Errorf("key exists after its TTL")
+	}
+}
+
+func TestScriptRepairsForeignValue(t *testing.T) {
+	lim := mustLimit(t, 10, 5)
+	for _, tc := range []struct {
+		name string
+		set  func(m *miniredis.Miniredis)
+	}{
+		{"plain string", func(m *miniredis.Miniredis) { m.Set("k", "hello") }},
+		{"negative level", func(m *miniredis.Miniredis) { m.Set("k", "-5 1") }},
+		{"hash", func(m *miniredis.Miniredis) { m.HSet("k", "f", "v") }},
+		{"list", func(m *miniredis.Miniredis) { m.Lpush("k", "v") }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m, p := newMini(t)
+			tc.set(m)
+			res, err := p.Take(context.Background(), "k", lim, 2)
+			if err != nil {
+				t.Fatalf("Take = %v", err)
+			}
+			if !res.Repaired || !res.Allowed || res.Level/lim.P != 3 {
+				t.Errorf("Take on a foreign value = %+v; want repaired, allowed, 3 left", res)
+			}
+			res, err = p.Take(context.Background(), "k", lim, 1)
+			if err != nil || res.Repaired || res.Level/lim.P != 2 {
+				t.Errorf("next Take = %+v, %v; want a plain decision with 2 left", res, err)
+			}
+		})
+	}
+}
+
+func TestNoScript(t *testing.T) {
+	m, p := newMini(t)
+	lim := mustLimit(t, 1, 10)
+	ctx := context.Background()
+	for i := range 3 {
+		m.FlushAll() // also SCRIPT FLUSH on miniredis
+		c := redis.NewClient(&redis.Options{Addr: m.Addr()})
+		if err := c.ScriptFlush(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		c.Close()
+		res, err := p.Take(ctx, "k", lim, 1)
+		if err != nil || !res.Allowed {
+			t.Fatalf("Take %d after SCRIPT FLUSH = %+v, %v; want allowed", i, res, err)
+		}
+	}
+}
+
+func TestTakeBatches(t *testing.T) {
+	m, p := newMini(t)
+	_ = m
+	lim := mustLimit(t, 1e-3, 100)
+	ctx := context.Background()
+	results := make(chan Result, 300)
+	errs := make(chan error, 300)
+	for range 300 {
+		go func() {
+			res, err := p.Take(ctx, "k", lim, 1)
+			results <- res
+			errs <- err
+		}()
+	}
+	allowed := 0
+	for range 300 {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+		if (<-results).Allowed {
+			allowed++
+		}
+	}
+	if allowed != 100 {
+		t.Errorf("allowed %d of 300 on a bucket of 100; want 100", allowed)
+	}
+}
+
+func TestTakeHonoursContext(t *testing.T) {
+	_, p := newMini(t)
+	lim := mustLimit(t, 1, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := p.Take(ctx, "k", lim, 1); !errors.Is(err, context.Canceled) {
+		t.Errorf("Take with a cancelled context = %v; want context.Canceled", err)
+	}
+	p.Close()
+	if _, err := p.Take(context.Background(), "k", lim, 1); !errors.Is(err, ErrClosed) {
+		t.Errorf("Take after Close = %v; want ErrClosed", err)
+	}
+}
+
+func TestNewLimit(t *testing.T) {
+	tests := []struct {
+		rate    float64
+		burst   int64
+		q, p    int64
+		inexact bool
+	}{
+		{rate: 100, burst: 100, q: 1, p: 10000},
+		{rate: 100.0 / 60, burst: 100, q: 1, p: 600000},
+		{rate: 1.0 / 3600, burst: 10, q: 1, p: 3600000000},
+		{rate: 1.0 / 86400, burst: 1000, q: 1, p: 86400000000},
+		{rate: 1e6, burst: 1e6, q: 1, p: 1},
+		{rate: 1e9, burst: 1, q: 1000, p: 1},
+		{rate: 1000.5, burst: 10, q: 2001, p: 2000000},
+		{rate: 3, burst: 3, q: 3, p: 1000000},
+		{rate: 0, burst: 1, inexact: true},
+		{rate: -1, burst: 1, inexact: true},
+		{rate: 1, burst: 0, inexact: true},
+		// A token a year with a billion burst needs burst*p beyond 2^53.
+		{rate: 1.0 / (365 * 86400), burst: 1e9, inexact: true},
+		{rate: 1.0 / 7, burst: 1 << 40, inexact: true},
+	}
+	for _, tt := range tests {
+		got, err := NewLimit(tt.rate, tt.burst)
+		if tt.inexact {
+			if !errors.Is(err, ErrInexact) {
+				t.Errorf("NewLimit(%v, %d) = %+v, %v; want ErrInexact", tt.rate, tt.burst, got, err)
+			}
+			continue
+		}
+		want := Limit{Q: tt.q, P: tt.p, Burst: tt.burst}
+		if err != nil || got != want {
+			t.Errorf("NewLimit(%v, %d) = %+v, %v; want %+v", tt.rate, tt.burst, got, err, want)
+		}
+	}
+}
