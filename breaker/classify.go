@@ -1,0 +1,67 @@
+package breaker
+
+import (
+	"context"
+	"errors"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// ErrCallerCanceled marks an error as the caller's own cancellation: the
+// limiter wraps a call's error with it when the caller's context ended.
+// Such results are excluded: they count as neither success nor failure.
+var ErrCallerCanceled = errors.New("breaker: caller canceled")
+
+// IsFailure reports whether err means that the Redis node is unhealthy.
+//
+// Errors the server answered with (they implement redis.Error) are failures
+// only if they name a server state in which the node cannot decide: LOADING,
+// READONLY, MASTERDOWN, CLUSTERDOWN, OOM, BUSY, TRYAGAIN, NOREPLICAS,
+// MISCONF, a MOVED or ASK that reached the caller, and "max number of
+// clients reached". Any other server error (WRONGTYPE, ERR ..., NOSCRIPT,
+// redis.Nil) means the node is healthy.
+//
+// Errors the server did not answer with are failures: network errors
+// (net.Error, time-outs included; io.EOF, io.ErrUnexpectedEOF; refused or
+// reset connections and other syscall errors), context.DeadlineExceeded
+// (our own time budget ran out), and go-redis's pool errors
+// (redis.ErrPoolTimeout, redis.ErrPoolExhausted, redis.ErrClosed). So is
+// any other client-side error, such as an unparsable reply, since it too
+// means the remote path does not work.
+//
+// Errors for which IsExcluded reports true are never failures.
+func IsFailure(err error) bool {
+	if err == nil || IsExcluded(err) {
+		return false
+	}
+	var rerr redis.Error
+	if !errors.As(err, &rerr) {
+		return true
+	}
+	// go-redis's helpers look for typed errors and fall back to the message
+	// prefix; give them the server's error itself, whatever wraps it.
+	if _, ok := redis.IsMovedError(rerr); ok {
+		return true
+	}
+	if _, ok := redis.IsAskError(rerr); ok {
+		return true
+	}
+	return redis.IsLoadingError(rerr) ||
+		redis.IsReadOnlyError(rerr) ||
+		redis.IsMasterDownError(rerr) ||
+		redis.IsClusterDownError(rerr) ||
+		redis.IsOOMError(rerr) ||
+		redis.IsTryAgainError(rerr) ||
+		redis.IsNoReplicasError(rerr) ||
+		redis.IsMaxClientsError(rerr) ||
+		// No helpers exist for these two. The space keeps BUSYKEY and
+		// BUSYGROUP out; they are answers, not states.
+		redis.HasErrorPrefix(rerr, "BUSY ") ||
+		redis.HasErrorPrefix(rerr, "MISCONF ")
+}
+
+// IsExcluded reports whether err is the caller's own cancellation: it is
+// marked with ErrCallerCanceled, or it is context.Canceled.
+func IsExcluded(err error) bool {
+	return errors.Is(err, ErrCallerCanceled) || errors.Is(err, context.Canceled)
+}

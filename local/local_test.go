@@ -1,0 +1,483 @@
+package local
+
+import (
+	"math"
+	"runtime"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/time/rate"
+)
+
+// t0 is the start of every test's clock; times are offsets from it.
+var t0 = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+
+const ms = time.Millisecond
+
+// allow is one AllowN call at t0+at and the Result it should return.
+type allow struct {
+	at    time.Duration
+	key   string
+	r     rate.Limit
+	burst int
+	n     int
+	want  Result
+}
+
+// run makes the calls in order and reports every Result that differs.
+func run(t *testing.T, s *Shares, steps []allow) {
+	t.Helper()
+	for i, st := range steps {
+		got := s.AllowN(t0.Add(st.at), st.key, st.r, st.burst, st.n)
+		if got != st.want {
+			t.Errorf("step %d: AllowN(%q, %d) at t0+%v = %+v; want %+v", i, st.key, st.n, st.at, got, st.want)
+		}
+	}
+}
+
+// repeat returns count copies of st, with Remaining counting down by n from
+// st.want.Remaining and ResetAfter growing by step.
+func repeat(count int, st allow, step time.Duration) []allow {
+	steps := make([]allow, count)
+	for i := range steps {
+		steps[i] = st
+		steps[i].want.Remaining -= int64(i * st.n)
+		steps[i].want.ResetAfter += time.Duration(i) * step
+	}
+	return steps
+}
+
+// ok and denied build expected Results.
+func ok(remaining int64, reset time.Duration) Result {
+	return Result{Allowed: true, Remaining: remaining, ResetAfter: reset}
+}
+
+func denied(remaining int64, retry, reset time.Duration) Result {
+	return Result{Remaining: remaining, RetryAfter: retry, ResetAfter: reset}
+}
+
+func concat(parts ...[]allow) []allow {
+	var all []allow
+	for _, p := range parts {
+		all = append(all, p...)
+	}
+	return all
+}
+
+// inf is rate.InfDuration, for short tables.
+const inf = rate.InfDuration
+
+func TestAllowN(t *testing.T) {
+	// A global 100/s with burst 100 shared by 3 instances: 100/3 per second
+	// (one token every 30ms exactly) and burst 33.
+	const third = rate.Limit(100.0 / 3)
+	// The same share written as 33.3/s: one token every 30.03003003ms, so
+	// 30ms refills only 0.999 of a token.
+	const r333 = rate.Limit(33.3)
+
+	tests := []struct {
+		name  string
+		steps []allow
+	}{
+		{"doc example", []allow{
+			{0, "k", 10, 10, 3, ok(7, 300*ms)},
+			{0, "k", 10, 10, 9, denied(7, 200*ms, 300*ms)},
+		}},
+		{"share 100/3", concat(
+			repeat(33, allow{0, "k", third, 33, 1, ok(32, 30*ms)}, 30*ms),
+			[]allow{
+				{0, "k", third, 33, 1, denied(0, 30*ms, 990*ms)},
+				{29 * ms, "k", third, 33, 1, denied(0, 1*ms, 961*ms)},
+				{30 * ms, "k", third, 33, 1, ok(0, 990*ms)},
+				{30 * ms, "k", third, 33, 1, denied(0, 30*ms, 990*ms)},
+			},
+		)},
+		{"share 33.3", []allow{
+			{0, "k", r333, 33, 33, ok(0, 990990991)},
+			{0, "k", r333, 33, 1, denied(0, 30030030, 990990991)},
+			{30 * ms, "k", r333, 33, 1, denied(0, 30030, 960990991)},
+			{30030029, "k", r333, 33, 1, denied(0, 1, 960960962)},
+			// x/time/rate admits a deficit it would refill in under 1ns:
+			// 0.999999999 tokens are enough at t0+RetryAfter.
+			{30030030, "k", r333, 33, 1, ok(0, 990990991)},
+			{30030030, "k", r333, 33, 1, denied(0, 30030030, 990990991)},
+		}},
+		{"keys are separate", []allow{
+			{0, "a", 1, 2, 2, ok(0, 2*time.Second)},
+			{0, "b", 1, 2, 1, ok(1, 1*time.Second)},
+			{0, "a", 1, 2, 1, denied(0, 1*time.Second, 2*time.Second)},
+		}},
+		{"n > burst never fits", []allow{
+			{0, "k", 10, 5, 6, denied(5, inf, 0)},
+			{0, "k", 10, 5, 5, ok(0, 500*ms)},
+		}},
+		{"limit change keeps level", []allow{
+			{0, "k", 10, 10, 6, ok(4, 600*ms)},
+			{0, "k", 20, 20, 0, ok(4, 800*ms)},              // faster and bigger, still 4
+			{100 * ms, "k", 20, 20, 6, ok(0, time.Second)},  // 4 + 100ms × 20/s
+			{200 * ms, "k", 5, 10, 0, ok(2, 1600*ms)},       // 0 + 100ms × 20/s
+			{600 * ms, "k", 5, 10, 4, ok(0, 2*time.Second)}, // 2 + 400ms × 5/s
+		}},
+		{"burst cut clamps level", []allow{
+			{0, "k", 10, 10, 2, ok(8, 200*ms)},
+			{0, "k", 10, 5, 0, ok(5, 0)},
+			{0, "k", 10, 5, 5, ok(0, 500*ms)},
+		}},
+		{"n <= 0 takes nothing", []allow{
+			{0, "k", 10, 10, 0, ok(10, 0)},
+			{0, "k", 10, 10, -5, ok(10, 0)},
+			{0, "k", 10, 10, 10, ok(0, time.Second)},
+		}},
+		{"zero rate never refills", []allow{
+			{0, "k", 0, 2, 1, ok(1, inf)},
+			{0, "k", 0, 2, 1, ok(0, inf)},
+			{time.Hour, "k", 0, 2, 1, denied(0, inf, inf)},
+		}},
+		{"NaN and negative rates count as zero", []allow{
+			{0, "nan", rate.Limit(math.NaN()), 1, 1, ok(0, inf)},
+			{time.Hour, "nan", rate.Limit(math.NaN()), 1, 1, denied(0, inf, inf)},
+			{0, "neg", -1, 1, 1, ok(0, inf)},
+			{time.Hour, "neg", -1, 1, 1, denied(0, inf, inf)},
+		}},
+		{"infinite rates allow all", []allow{
+			{0, "inf", rate.Inf, 0, 1000, ok(0, 0)},
+			{0, "inf", rate.Inf, 3, 1000, ok(3, 0)},
+			{0, "+Inf", rate.Limit(math.Inf(1)), 3, 1000, ok(3, 0)},
+		}},
+		{"zero and negative burst deny", []allow{
+			{0, "zero", 10, 0, 1, denied(0, inf, 0)},
+			{0, "neg", 10, -3, 1, denied(0, inf, 0)},
+		}},
+		{"tiny rate waits are capped", []allow{
+			{0, "k", 1e-12, 1, 1, ok(0, inf)},
+			{0, "k", 1e-12, 1, 1, denied(0, inf, inf)},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			run(t, New(0), tt.steps)
+		})
+	}
+}
+
+func TestSeed(t *testing.T) {
+	tests := []struct {
+		name   string
+		at     time.Duration // Seed's time, from t0
+		r      rate.Limit
+		burst  int
+		tokens float64
+		steps  []allow
+	}{
+		{"level", 0, 10, 100, 10, concat(
+			repeat(10, allow{0, "k", 10, 100, 1, ok(9, 9100*ms)}, 100*ms),
+			[]allow{{0, "k", 10, 100, 1, denied(0, 100*ms, 10*time.Second)}},
+		)},
+		{"earlier time refills since", -500 * ms, 10, 100, 0, []allow{
+			{0, "k", 10, 100, 0, ok(5, 9500*ms)},
+			{0, "k", 10, 100, 5, ok(0, 10*time.Second)},
+		}},
+		{"fraction kept", 0, 10, 10, 2.5, []allow{
+			{0, "k", 10, 10, 0, ok(2, 750*ms)},
+			{0, "k", 10, 10, 3, denied(2, 50*ms, 750*ms)},
+			{50 * ms, "k", 10, 10, 3, ok(0, time.Second)},
+		}},
+		{"above burst is full", 0, 10, 10, 1000, []allow{
+			{0, "k", 10, 10, 0, ok(10, 0)},
+		}},
+		{"below zero is empty", 0, 10, 10, -1, []allow{
+			{0, "k", 10, 10, 1, denied(0, 100*ms, time.Second)},
+		}},
+		{"NaN is empty", 0, 10, 10, math.NaN(), []allow{
+			{0, "k", 10, 10, 1, denied(0, 100*ms, time.Second)},
+		}},
+		{"zero rate", 0, 0, 10, 2.5, []allow{
+			{0, "k", 0, 10, 2, ok(0, inf)},
+			{time.Hour, "k", 0, 10, 1, denied(0, inf, inf)},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := New(0)
+			s.Seed(t0.Add(tt.at), "k", tt.r, tt.burst, tt.tokens)
+			run(t, s, tt.steps)
+		})
+	}
+}
+
+func TestSeedReplaces(t *testing.T) {
+	s := New(0)
+	run(t, s, []allow{{0, "k", 10, 10, 1, ok(9, 100*ms)}})
+	s.Seed(t0, "k", 10, 10, 3)
+	run(t, s, []allow{{0, "k", 10, 10, 0, ok(3, 700*ms)}})
+	if got := s.Len(); got != 1 {
+		t.Errorf("Len() = %d; want 1", got)
+	}
+}
+
+func TestSweep(t *testing.T) {
+	s := New(0)
+	run(t, s, []allow{
+		{0, "full", 10, 10, 0, ok(10, 0)},
+		{0, "refilled", 10, 10, 1, ok(9, 100*ms)},
+		{0, "taken", 10, 10, 5, ok(5, 500*ms)},
+	})
+	if got := s.Sweep(t0.Add(100 * ms)); got != 2 {
+		t.Errorf("Sweep(t0+100ms) = %d; want 2", got)
+	}
+	if got := s.Len(); got != 1 {
+		t.Errorf("Len() = %d; want 1", got)
+	}
+	// The bucket that was not full kept its level.
+	run(t, s, []allow{{100 * ms, "taken", 10, 10, 0, ok(6, 400*ms)}})
+	if got := s.Sweep(t0.Add(time.Second)); got != 1 {
+		t.Errorf("Sweep(t0+1s) = %d; want 1", got)
+	}
+	if got := s.Len(); got != 0 {
+		t.Errorf("Len() = %d; want 0", got)
+	}
+}
+
+func TestNewSplitsCap(t *testing.T) {
+	for _, maxKeys := range []int{-1, 0, 1, 2, 63, 64, 65, 1000, 1 << 20} {
+		s := New(maxKeys)
+		want := maxKeys
+		if want < 1 {
+			want = DefaultMaxKeys
+		}
+		sum := 0
+		for i := range s.shards {
+			if s.shards[i].max < 1 {
+				t.Errorf("New(%d): shard %d has cap %d; want >= 1", maxKeys, i, s.shards[i].max)
+			}
+			sum += s.shards[i].max
+		}
+		if sum != want || len(s.shards) > maxShards {
+			t.Errorf("New(%d): %d shards, caps sum to %d; want <= %d shards, sum %d", maxKeys, len(s.shards), sum, maxShards, want)
+		}
+	}
+}
+
+func TestCap(t *testing.T) {
+	const maxKeys = 1000
+	s := New(maxKeys)
+	for i := range 100_000 {
+		key := "key-" + strconv.Itoa(i)
+		// Each bucket is left non-full, so nothing can be swept: the cap
+		// holds by eviction alone.
+		if got := s.AllowN(t0, key, 1, 10, 1); !got.Allowed {
+			t.Fatalf("AllowN(%q, 1) = %+v; want allowed", key, got)
+		}
+		if i%1000 == 0 {
+			if got := s.Len(); got > maxKeys {
+				t.Fatalf("after %d keys: Len() = %d; want <= %d", i+1, got, maxKeys)
+			}
+		}
+	}
+	// 100,000 keys over 64 shards of 15 or 16 fill every shard.
+	if got := s.Len(); got != maxKeys {
+		t.Errorf("Len() = %d; want %d", got, maxKeys)
+	}
+}
+
+// sameShard returns n keys that s keeps in one shard.
+func sameShard(s *Shares, n int) []string {
+	byShard := map[*shard][]string{}
+	for i := 0; ; i++ {
+		key := "key-" + strconv.Itoa(i)
+		sh := s.shard(key)
+		byShard[sh] = append(byShard[sh], key)
+		if len(byShard[sh]) == n {
+			return byShard[sh]
+		}
+	}
+}
+
+func TestCapDropsFullFirst(t *testing.T) {
+	s := New(2 * maxShards) // 64 shards of 2
+	k := sameShard(s, 4)
+	run(t, s, []allow{
+		{0, k[0], 10, 10, 0, ok(10, 0)},
+		{0, k[1], 10, 10, 1, ok(9, 100*ms)},
+		{0, k[2], 10, 10, 1, ok(9, 100*ms)}, // drops the full k[0]
+		{0, k[1], 10, 10, 0, ok(9, 100*ms)}, // k[1] kept its level
+	})
+	if got := s.Len(); got != 2 {
+		t.Errorf("Len() = %d; want 2", got)
+	}
+	// Neither k[1] nor k[2] is full: one of them is evicted.
+	run(t, s, []allow{{0, k[3], 10, 10, 1, ok(9, 100*ms)}})
+	if got := s.Len(); got != 2 {
+		t.Errorf("Len() = %d; want 2", got)
+	}
+	sh := s.shard(k[3])
+	_, has1 := sh.m[k[1]]
+	_, has2 := sh.m[k[2]]
+	if has1 == has2 {
+		t.Errorf("after eviction: have k[1] %v, k[2] %v; want exactly one", has1, has2)
+	}
+}
+
+func TestConcurrentOneKey(t *testing.T) {
+	const (
+		goroutines = 16
+		tries      = 1000
+		burst      = 100
+	)
+	s := New(0)
+	var allowed atomic.Int64
+	var wg sync.WaitGroup
+	for range goroutines {
+		wg.Go(func() {
+			for range tries {
+				// One instant for all: no refill, so exactly burst fit.
+				if s.AllowN(t0, "hot", 10, burst, 1).Allowed {
+					allowed.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if got := allowed.Load(); got != burst {
+		t.Errorf("%d goroutines × %d AllowN(%q, 1) admitted %d; want %d", goroutines, tries, "hot", got, burst)
+	}
+}
+
+func TestConcurrentManyKeys(t *testing.T) {
+	const goroutines = 16
+	s := New(100) // small, so that calls race with evictions
+	var wg sync.WaitGroup
+	for g := range goroutines {
+		wg.Go(func() {
+			for i := range 2000 {
+				now := t0.Add(time.Duration(i) * ms)
+				key := strconv.Itoa((g*7 + i) % 300)
+				s.AllowN(now, key, 100, 10, 1)
+				if i%100 == 0 {
+					s.Seed(now, key, 100, 10, 5)
+					s.Sweep(now)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if got := s.Len(); got > 100 {
+		t.Errorf("Len() = %d; want <= 100", got)
+	}
+}
+
+func TestAllowNAllocs(t *testing.T) {
+	s := New(0)
+	s.AllowN(t0, "k", 1000, 10, 1)
+	now := t0
+	allocs := testing.AllocsPerRun(1000, func() {
+		now = now.Add(ms)
+		s.AllowN(now, "k", 1000, 10, 1)
+	})
+	if allocs != 0 {
+		t.Errorf("AllowN on an existing key: %v allocs; want 0", allocs)
+	}
+	// A changed limit does not allocate either.
+	lim := rate.Limit(1000)
+	allocs = testing.AllocsPerRun(1000, func() {
+		lim++
+		s.AllowN(now, "k", lim, 10, 1)
+	})
+	if allocs != 0 {
+		t.Errorf("AllowN with a new limit: %v allocs; want 0", allocs)
+	}
+}
+
+// maxBytesPerKey bounds the heap per bucket in TestMemoryPerKey. Measured on
+// linux/amd64 with Go 1.26: 197 bytes per key for keys of up to 10 bytes
+// (80 for the rate.Limiter, 16 for the key, about 100 for the map).
+const maxBytesPerKey = 256
+
+func TestMemoryPerKey(t *testing.T) {
+	if testing.Short() {
+		t.Skip("fills 1,000,000 buckets")
+	}
+	const keys = 1_000_000
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+
+	s := New(keys)
+	buf := make([]byte, 0, 32)
+	for i := range keys {
+		buf = strconv.AppendInt(append(buf[:0], "key-"...), int64(i), 10)
+		s.AllowN(t0, string(buf), 100, 100, 1)
+	}
+	// Each shard holds at most keys/64 buckets, and the hash does not
+	// split the keys evenly, so shards that got more keys evicted some.
+	held := s.Len()
+	if held > keys || held < keys*99/100 {
+		t.Fatalf("Len() = %d; want between %d and %d", held, keys*99/100, keys)
+	}
+
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	runtime.KeepAlive(s)
+	perKey := float64(after.HeapAlloc-before.HeapAlloc) / float64(held)
+	t.Logf("%d keys, %d held: %.0f bytes of heap per key", keys, held, perKey)
+	if perKey > maxBytesPerKey {
+		t.Errorf("%d buckets take %.0f bytes of heap per key; want <= %d", held, perKey, maxBytesPerKey)
+	}
+}
+
+func BenchmarkAllowN(b *testing.B) {
+	const nkeys = 10_000
+	keys := make([]string, nkeys)
+	for i := range keys {
+		keys[i] = "key-" + strconv.Itoa(i)
+	}
+	run := func(b *testing.B, key func(i int) string) {
+		s := New(0)
+		for _, k := range keys {
+			s.AllowN(t0, k, 1e6, 1000, 1)
+		}
+		s.AllowN(t0, "hot", 1e6, 1000, 1)
+		b.ReportAllocs()
+		b.ResetTimer()
+		b.RunParallel(func(pb *testing.PB) {
+			now := t0
+			for i := 0; pb.Next(); i++ {
+				now = now.Add(time.Microsecond)
+				s.AllowN(now, key(i), 1e6, 1000, 1)
+			}
+		})
+	}
+	b.Run("keys=10000", func(b *testing.B) {
+		run(b, func(i int) string { return keys[(i*7919)%nkeys] })
+	})
+	b.Run("hot", func(b *testing.B) {
+		run(b, func(int) string { return "hot" })
+	})
+}
+
+// BenchmarkAllowNNewKeys measures a flood of new keys into full shards
+// whose buckets are all partly used, so that every new key first scans its
+// shard for full buckets and then evicts one.
+func BenchmarkAllowNNewKeys(b *testing.B) {
+	for _, maxKeys := range []int{1000, DefaultMaxKeys} {
+		b.Run("maxKeys="+strconv.Itoa(maxKeys), func(b *testing.B) {
+			s := New(maxKeys)
+			var next atomic.Int64
+			for range maxKeys {
+				s.AllowN(t0, "fill-"+strconv.FormatInt(next.Add(1), 10), 1, 10, 1)
+			}
+			b.ReportAllocs()
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				buf := make([]byte, 0, 32)
+				for pb.Next() {
+					buf = strconv.AppendInt(append(buf[:0], "new-"...), next.Add(1), 10)
+					s.AllowN(t0, string(buf), 1, 10, 1)
+				}
+			})
+		})
+	}
+}
