@@ -1,0 +1,143 @@
+package redistest
+
+import (
+	"context"
+	"os/exec"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// clusterTimeout bounds how long StartCluster waits for redis-cli and for
+// every node to report cluster_state:ok.
+const clusterTimeout = 20 * time.Second
+
+// Cluster is a Redis Cluster of masters only, started by StartCluster.
+type Cluster struct {
+	// Nodes holds the masters in the order they were started.
+	Nodes []*Server
+}
+
+// StartCluster starts masters redis-server processes in cluster mode, joins
+// them with redis-cli --cluster create, and waits until every node reports
+// cluster_state:ok. Redis needs at least 3 masters. t.Cleanup kills every node.
+func StartCluster(t testing.TB, masters int) *Cluster {
+	t.Helper()
+	if masters < 3 {
+		t.Fatalf("redistest: StartCluster(%d): Redis Cluster needs at least 3 masters", masters)
+	}
+	cli, err := exec.LookPath("redis-cli")
+	if err != nil {
+		t.Fatal("redis-cli not found: install it with `apt-get install -y redis-server`")
+	}
+	c := &Cluster{}
+	for range masters {
+		c.Nodes = append(c.Nodes, Start(t, func(c *config) { c.cluster = true }))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), clusterTimeout)
+	defer cancel()
+	args := append([]string{"--cluster", "create"}, c.Addrs()...)
+	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	if out, err := exec.CommandContext(ctx, cli, args...).CombinedOutput(); err != nil {
+		t.Fatalf("redistest: redis-cli %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	known := "cluster_known_nodes:" + strconv.Itoa(masters) + "\r\n"
+	for _, s := range c.Nodes {
+		waitInfo(t, ctx, s, func(ctx context.Context, rc *redis.Client) (string, error) {
+			return rc.ClusterInfo(ctx).Result()
+		}, "cluster_state:ok\r\n", known)
+	}
+	return c
+}
+
+// waitInfo polls get on s until its reply contains every one of want,
+// failing the test when ctx is done.
+func waitInfo(t testing.TB, ctx context.Context, s *Server, get func(context.Context, *redis.Client) (string, error), want ...string) {
+	t.Helper()
+	rc := probe(s.Addr())
+	defer rc.Close()
+	var last string
+	for {
+		if reply, err := get(ctx, rc); err == nil {
+			last = reply
+			ok := true
+			for _, w := range want {
+				ok = ok && strings.Contains(reply, w)
+			}
+			if ok {
+				return
+			}
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("redistest: %s: want %q, last reply:\n%s\n%s", s.Addr(), want, last, s.logTail())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// Addrs returns the address of every node, in the order of Nodes.
+func (c *Cluster) Addrs() []string {
+	addrs := make([]string, len(c.Nodes))
+	for i, s := range c.Nodes {
+		addrs[i] = s.Addr()
+	}
+	return addrs
+}
+
+// Client returns a go-redis cluster client seeded with every node, closed by
+// t.Cleanup.
+func (c *Cluster) Client(t testing.TB) *redis.ClusterClient {
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs()})
+	t.Cleanup(func() { cc.Close() })
+	return cc
+}
+
+// NodeForKey returns the master that serves key's hash slot, as reported by
+// CLUSTER KEYSLOT and CLUSTER SLOTS on the first node.
+func (c *Cluster) NodeForKey(t testing.TB, key string) *Server {
+	t.Helper()
+	rc := probe(c.Nodes[0].Addr())
+	defer rc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
+	defer cancel()
+	slot, err := rc.ClusterKeySlot(ctx, key).Result()
+	if err != nil {
+		t.Fatalf("redistest: CLUSTER KEYSLOT %q: %v", key, err)
+	}
+	ranges, err := rc.ClusterSlots(ctx).Result()
+	if err != nil {
+		t.Fatalf("redistest: CLUSTER SLOTS: %v", err)
+	}
+	for _, r := range ranges {
+		if int64(r.Start) > slot || slot > int64(r.End) || len(r.Nodes) == 0 {
+			continue
+		}
+		for _, s := range c.Nodes {
+			if s.Addr() == r.Nodes[0].Addr {
+				return s
+			}
+		}
+		t.Fatalf("redistest: slot %d of %q is served by %s, not one of %v", slot, key, r.Nodes[0].Addr, c.Addrs())
+	}
+	t.Fatalf("redistest: slot %d of %q is not served", slot, key)
+	return nil
+}
+
+// StartReplicated starts a master and a replica of it, and waits until the
+// replica reports master_link_status:up. t.Cleanup kills both.
+func StartReplicated(t testing.TB) (master, replica *Server) {
+	t.Helper()
+	// The default 5 s diskless-sync delay would make every start slow.
+	master = Start(t, WithArgs("--repl-diskless-sync-delay", "0"))
+	replica = Start(t, WithArgs("--replicaof", "127.0.0.1", strconv.Itoa(master.Port())))
+	ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
+	defer cancel()
+	waitInfo(t, ctx, replica, func(ctx context.Context, rc *redis.Client) (string, error) {
+		return rc.Info(ctx, "replication").Result()
+	}, "master_link_status:up\r\n")
+	return master, replica
+}
