@@ -1,0 +1,211 @@
+package hybridlimit
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/hybridlimit/hybridlimit/remote"
+)
+
+// Defaults used where a Config field is zero. docs/design.md says why.
+const (
+	// DefaultTimeout bounds one remote decision: well above a healthy
+	// Redis's tail latency (a millisecond or two on a LAN, tens of
+	// milliseconds during a fork for a snapshot), small enough that the few
+	// decisions paying it before the breaker opens stay tolerable.
+	DefaultTimeout = 50 * time.Millisecond
+	// DefaultPrefix is put before every key in Redis.
+	DefaultPrefix = "hybridlimit:"
+	// DefaultBreakerFailures is how many consecutive failed remote decisions
+	// open a node's breaker.
+	DefaultBreakerFailures = 5
+	// DefaultBreakerOpenFor is how long a breaker stays open before a probe.
+	DefaultBreakerOpenFor = time.Second
+	// DefaultBreakerJitter lengthens each open period by a random fraction
+	// of up to 20%, so a fleet opened by one outage does not probe at once.
+	DefaultBreakerJitter = 0.2
+	// DefaultMaxLocalKeys bounds the local buckets held for FailLocal.
+	DefaultMaxLocalKeys = 1_000_000
+	// MaxKeyLen is the longest key AllowN accepts, in bytes.
+	MaxKeyLen = 1024
+)
+
+// Limit is a token bucket: it refills at Rate tokens per second up to Burst
+// tokens, and a decision of cost n succeeds if the bucket holds n tokens.
+type Limit struct {
+	Rate  float64 // tokens added per second; must be > 0 and finite
+	Burst int64   // capacity in tokens, and the largest n a decision may ask for
+}
+
+// PerSecond returns a Limit of n tokens per second with a burst of n.
+func PerSecond(n int64) Limit { return Limit{Rate: float64(n), Burst: n} }
+
+// PerMinute returns a Limit of n tokens per minute with a burst of n.
+func PerMinute(n int64) Limit { return Limit{Rate: float64(n) / 60, Burst: n} }
+
+// String returns the limit as "Rate/s burst Burst", for logs.
+func (l Limit) String() string { return fmt.Sprintf("%g/s burst %d", l.Rate, l.Burst) }
+
+// FailurePolicy says who decides while Redis cannot.
+type FailurePolicy int
+
+// The failure policies. The zero value is FailLocal.
+const (
+	// FailLocal decides on this instance's share of the limit: per key, a
+	// local token bucket of Rate/Instances tokens per second holding
+	// Burst/Instances tokens (at least 1).
+	FailLocal FailurePolicy = iota
+	// FailOpen allows every decision: no limit while Redis is away.
+	FailOpen
+	// FailClosed denies every decision while Redis is away.
+	FailClosed
+)
+
+// String returns the policy's name, such as "FailLocal".
+func (p FailurePolicy) String() string {
+	switch p {
+	case FailLocal:
+		return "FailLocal"
+	case FailOpen:
+		return "FailOpen"
+	case FailClosed:
+		return "FailClosed"
+	}
+	return fmt.Sprintf("FailurePolicy(%d)", int(p))
+}
+
+// BreakerConfig says when a Redis node's circuit breaker opens and how it
+// closes again. Each Redis node (each master of a Cluster) has its own.
+type BreakerConfig struct {
+	// Failures is how many consecutive failed remote decisions open the
+	// breaker. Zero means DefaultBreakerFailures.
+	Failures int
+	// OpenFor is how long the breaker stays open before probing Redis again.
+	// Zero means DefaultBreakerOpenFor.
+	OpenFor time.Duration
+	// Jitter lengthens each open period by a random fraction in [0, Jitter)
+	// of OpenFor. Zero means DefaultBreakerJitter; negative means none.
+	Jitter float64
+	// Probes is how many half-open decisions go to Redis, all of which must
+	// succeed to close the breaker. Zero means 1.
+	Probes int
+}
+
+// Config configures a Limiter. Only Redis and Limit are required.
+type Config struct {
+	// Redis is the client to decide through: a *redis.Client, a
+	// *redis.ClusterClient, a failover client, or any other
+	// UniversalClient. The Limiter never closes it. Required.
+	Redis redis.UniversalClient
+	// Limit is the limit shared by every instance, for every key. Required.
+	Limit Limit
+	// Instances is how many instances share the limit; under FailLocal
+	// each holds 1/Instances of it while Redis is away. Zero means 1.
+	Instances int
+	// Prefix is put before every key in Redis. A Cluster user may put a
+	// hash tag in it or in the keys. Zero means DefaultPrefix.
+	Prefix string
+	// Timeout bounds one remote decision; past it the failure policy
+	// decides. Zero means DefaultTimeout.
+	Timeout time.Duration
+	// OnFailure says who decides while Redis cannot. Zero means FailLocal.
+	OnFailure FailurePolicy
+	// Breaker configures the per-node circuit breakers.
+	Breaker BreakerConfig
+	// MaxLocalKeys bounds the local buckets held for FailLocal. Zero means
+	// DefaultMaxLocalKeys.
+	MaxLocalKeys int
+	// Logger receives breaker state changes and repaired keys. Nil means
+	// silent.
+	Logger *slog.Logger
+
+	// now is the clock of the local buckets; nil means time.Now. Tests set it.
+	now func() time.Time
+}
+
+// Errors returned by New and Limiter methods. Test for them with errors.Is.
+var (
+	// ErrInvalidConfig is wrapped by every error New returns; the message
+	// names the field.
+	ErrInvalidConfig = errors.New("hybridlimit: invalid config")
+	// ErrInvalidKey is returned for an empty key or one longer than MaxKeyLen.
+	ErrInvalidKey = errors.New("hybridlimit: invalid key")
+	// ErrInvalidN is returned for n < 1 or n > Limit.Burst.
+	ErrInvalidN = errors.New("hybridlimit: invalid n")
+	// ErrClosed is returned by decisions after Close.
+	ErrClosed = errors.New("hybridlimit: limiter closed")
+)
+
+// validate checks cfg and fills in the defaults.
+func (cfg *Config) validate() (remote.Limit, error) {
+	bad := func(format string, args ...any) (remote.Limit, error) {
+		return remote.Limit{}, fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, args...)...)
+	}
+	if cfg.Redis == nil {
+		return bad("Redis is nil")
+	}
+	if r := cfg.Limit.Rate; !(r > 0) || math.IsInf(r, 0) {
+		return bad("Limit.Rate must be positive and finite, got %v", r)
+	}
+	if cfg.Limit.Burst < 1 {
+		return bad("Limit.Burst must be at least 1, got %d", cfg.Limit.Burst)
+	}
+	rl, err := remote.NewLimit(cfg.Limit.Rate, cfg.Limit.Burst)
+	if err != nil {
+		return bad("Limit %v: %v", cfg.Limit, err)
+	}
+	switch {
+	case cfg.Instances < 0:
+		return bad("Instances must not be negative, got %d", cfg.Instances)
+	case cfg.Timeout < 0:
+		return bad("Timeout must not be negative, got %v", cfg.Timeout)
+	case cfg.OnFailure < FailLocal || cfg.OnFailure > FailClosed:
+		return bad("OnFailure is %v", cfg.OnFailure)
+	case cfg.Breaker.Failures < 0:
+		return bad("Breaker.Failures must not be negative, got %d", cfg.Breaker.Failures)
+	case cfg.Breaker.OpenFor < 0:
+		return bad("Breaker.OpenFor must not be negative, got %v", cfg.Breaker.OpenFor)
+	case math.IsNaN(cfg.Breaker.Jitter) || math.IsInf(cfg.Breaker.Jitter, 0) || cfg.Breaker.Jitter > 10:
+		return bad("Breaker.Jitter must be at most 10, got %v", cfg.Breaker.Jitter)
+	case cfg.Breaker.Probes < 0:
+		return bad("Breaker.Probes must not be negative, got %d", cfg.Breaker.Probes)
+	case cfg.MaxLocalKeys < 0:
+		return bad("MaxLocalKeys must not be negative, got %d", cfg.MaxLocalKeys)
+	}
+	if cfg.Instances == 0 {
+		cfg.Instances = 1
+	}
+	if cfg.Prefix == "" {
+		cfg.Prefix = DefaultPrefix
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = DefaultTimeout
+	}
+	if cfg.Breaker.Failures == 0 {
+		cfg.Breaker.Failures = DefaultBreakerFailures
+	}
+	if cfg.Breaker.OpenFor == 0 {
+		cfg.Breaker.OpenFor = DefaultBreakerOpenFor
+	}
+	if cfg.Breaker.Jitter == 0 {
+		cfg.Breaker.Jitter = DefaultBreakerJitter
+	}
+	if cfg.Breaker.Probes == 0 {
+		cfg.Breaker.Probes = 1
+	}
+	if cfg.MaxLocalKeys == 0 {
+		cfg.MaxLocalKeys = DefaultMaxLocalKeys
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.now == nil {
+		cfg.now = time.Now
+	}
+	return rl, nil
+}

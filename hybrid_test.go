@@ -1,0 +1,461 @@
+package hybridlimit
+
+import (
+	"context"
+	"errors"
+	"math"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/goleak"
+
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
+)
+
+func TestMain(m *testing.M) {
+	// Tests that point a client at a closed port make go-redis log every
+	// failed dial; the tests assert what matters.
+	redis.SetLogger(quiet{})
+	goleak.VerifyTestMain(m)
+}
+
+type quiet struct{}
+
+func (quiet) Printf(context.Context, string, ...any) {}
+
+// newLimiter returns a Limiter closed by t.Cleanup, with a per-test prefix.
+func newLimiter(t *testing.T, cfg Config) *Limiter {
+	t.Helper()
+	if cfg.Prefix == "" {
+		cfg.Prefix = t.Name() + ":"
+	}
+	lim, err := New(cfg)
+	if err != nil {
+		t.Fatalf("New(%+v) = %v", cfg, err)
+	}
+	t.Cleanup(func() { lim.Close() })
+	return lim
+}
+
+func miniClient(t *testing.T) (*miniredis.Miniredis, *redis.Client) {
+	t.Helper()
+	m := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
+	t.Cleanup(func() { c.Close() })
+	return m, c
+}
+
+func TestNewRejectsBadConfig(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer c.Close()
+	ok := Config{Redis: c, Limit: PerSecond(10)}
+	tests := []struct {
+		field string
+		edit  func(*Config)
+	}{
+		{"Redis", func(c *Config) { c.Redis = nil }},
+		{"Limit.Rate", func(c *Config) { c.Limit.Rate = 0 }},
+		{"Limit.Rate", func(c *Config) { c.Limit.Rate = -1 }},
+		{"Limit.Rate", func(c *Config) { c.Limit.Rate = math.NaN() }},
+		{"Limit.Rate", func(c *Config) { c.Limit.Rate = math.Inf(1) }},
+		{"Limit.Burst", func(c *Config) { c.Limit.Burst = 0 }},
+		{"Limit.Burst", func(c *Config) { c.Limit.Burst = -5 }},
+		{"Limit", func(c *Config) { c.Limit = Limit{Rate: 1.0 / (365 * 86400), Burst: 1e9} }},
+		{"Instances", func(c *Config) { c.Instances = -1 }},
+		{"Timeout", func(c *Config) { c.Timeout = -time.Second }},
+		{"OnFailure", func(c *Config) { c.OnFailure = 7 }},
+		{"Breaker.Failures", func(c *Config) { c.Breaker.Failures = -1 }},
+		{"Breaker.OpenFor", func(c *Config) { c.Breaker.OpenFor = -1 }},
+		{"Breaker.Jitter", func(c *Config) { c.Breaker.Jitter = math.NaN() }},
+		{"Breaker.Probes", func(c *Config) { c.Breaker.Probes = -1 }},
+		{"MaxLocalKeys", func(c *Config) { c.MaxLocalKeys = -1 }},
+	}
+	for _, tt := range tests {
+		cfg := ok
+		tt.edit(&cfg)
+		lim, err := New(cfg)
+		if !errors.Is(err, ErrInvalidConfig) || !strings.Contains(err.Error(), tt.field) {
+			t.Errorf("New with bad %s = %v, %v; want ErrInvalidConfig naming %s", tt.field, lim, err, tt.field)
+		}
+		if lim != nil {
+			lim.Close()
+		}
+	}
+}
+
+func TestAllowNRejectsBadInput(t *testing.T) {
+	_, c := miniClient(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10)})
+	ctx := context.Background()
+	tests := []struct {
+		key  string
+		n    int64
+		want error
+	}{
+		{"", 1, ErrInvalidKey},
+		{strings.Repeat("k", MaxKeyLen+1), 1, ErrInvalidKey},
+		{"k", 0, ErrInvalidN},
+		{"k", -1, ErrInvalidN},
+		{"k", 11, ErrInvalidN},
+		{"k", math.MaxInt64, ErrInvalidN},
+	}
+	for _, tt := range tests {
+		d, err := lim.AllowN(ctx, tt.key, tt.n)
+		if !errors.Is(err, tt.want) || d.Allowed {
+			t.Errorf("AllowN(%.10q, %d) = %+v, %v; want %v", tt.key, tt.n, d, err, tt.want)
+		}
+	}
+	if d, err := lim.AllowN(ctx, strings.Repeat("k", MaxKeyLen), 10); err != nil || !d.Allowed {
+		t.Errorf("AllowN(key of MaxKeyLen, burst) = %+v, %v; want allowed", d, err)
+	}
+}
+
+func TestStrings(t *testing.T) {
+	for v, want := range map[interface{ String() string }]string{
+		ModeRemote: "remote", ModeLocal: "local", ModeFailOpen: "fail-open", ModeFailClosed: "fail-closed",
+		Mode(9): "Mode(9)", FailLocal: "FailLocal", FailOpen: "FailOpen", FailClosed: "FailClosed",
+		FailurePolicy(9): "FailurePolicy(9)", PerMinute(6): "0.1/s burst 6",
+	} {
+		if got := v.String(); got != want {
+			t.Errorf("%#v.String() = %q; want %q", v, got, want)
+		}
+	}
+}
+
+// allow is one decision and what it must return.
+type allow struct {
+	n    int64
+	want Decision
+}
+
+func run(t *testing.T, lim *Limiter, key string, steps []allow) {
+	t.Helper()
+	for i, s := range steps {
+		got, err := lim.AllowN(context.Background(), key, s.n)
+		if err != nil || got != s.want {
+			t.Errorf("step %d: AllowN(%q, %d) = %+v, %v; want %+v", i, key, s.n, got, err, s.want)
+		}
+	}
+}
+
+// TestContract runs one table against the remote path and the local path:
+// with one instance both must give the same answers.
+func TestContract(t *testing.T) {
+	ms := time.Millisecond
+	steps := func(mode Mode) []allow {
+		return []allow{
+			{1, Decision{Allowed: true, Remaining: 9, ResetAfter: 100 * ms, Mode: mode}},
+			{9, Decision{Allowed: true, Remaining: 0, ResetAfter: time.Second, Mode: mode}},
+			{1, Decision{Allowed: false, Remaining: 0, RetryAfter: 100 * ms, ResetAfter: time.Second, Mode: mode}},
+			{5, Decision{Allowed: false, Remaining: 0, RetryAfter: 500 * ms, ResetAfter: time.Second, Mode: mode}},
+		}
+	}
+	t.Run("remote", func(t *testing.T) {
+		m, c := miniClient(t)
+		m.SetTime(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10)})
+		run(t, lim, "k", steps(ModeRemote))
+	})
+	t.Run("local", func(t *testing.T) {
+		// Nothing listens on port 1: every call fails and FailLocal decides.
+		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+		defer c.Close()
+		now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), now: func() time.Time { return now }})
+		run(t, lim, "k", steps(ModeLocal))
+	})
+	t.Run("fail-open", func(t *testing.T) {
+		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+		defer c.Close()
+		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), OnFailure: FailOpen})
+		run(t, lim, "k", []allow{
+			{10, Decision{Allowed: true, Mode: ModeFailOpen}},
+			{10, Decision{Allowed: true, Mode: ModeFailOpen}},
+		})
+	})
+}
+
+func TestLocalShare(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer c.Close()
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	clock := func() time.Time { return now }
+	tests := []struct {
+		limit     Limit
+		instances int
+		burst     int64 // tokens this instance may take at once
+	}{
+		{PerSecond(100), 3, 33},
+		{PerSecond(100), 1, 100},
+		{PerSecond(2), 5, 1}, // at least 1
+		{PerMinute(600), 4, 150},
+	}
+	for _, tt := range tests {
+		lim := newLimiter(t, Config{Redis: c, Limit: tt.limit, Instances: tt.instances, now: clock})
+		key := tt.limit.String()
+		allowed := int64(0)
+		for range 2 * tt.limit.Burst {
+			d, err := lim.Allow(context.Background(), key)
+			if err != nil || d.Mode != ModeLocal {
+				t.Fatalf("Allow = %+v, %v; want a local decision", d, err)
+			}
+			if d.Allowed {
+				allowed++
+			}
+		}
+		if allowed != tt.burst {
+			t.Errorf("%v over %d instances: local burst %d; want %d", tt.limit, tt.instances, allowed, tt.burst)
+		}
+	}
+}
+
+// TestExactCounts: 3 instances × 16 goroutines spend one bucket of 1000 on
+// a real redis-server: exactly 1000 are allowed, all by Redis.
+func TestExactCounts(t *testing.T) {
+	srv := redistest.Start(t)
+	const instances, workers, attempts = 3, 16, 3200
+	var allowed, tried, remote atomic.Int64
+	var wg sync.WaitGroup
+	for range instances {
+		c := srv.Client(t)
+		lim := newLimiter(t, Config{
+			Redis: c, Limit: Limit{Rate: 1e-3, Burst: 1000}, Instances: instances,
+			// Exactness is the point here, not the time budget: a loaded
+			// CI machine must not turn a slow answer into a local one.
+			Timeout: 5 * time.Second, Prefix: "exact:",
+		})
+		for range workers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for tried.Add(1) <= attempts {
+					d, err := lim.Allow(context.Background(), "bucket")
+					if err != nil {
+						t.Errorf("Allow = %v", err)
+						return
+					}
+					if d.Mode == ModeRemote {
+						remote.Add(1)
+					}
+					if d.Allowed {
+						allowed.Add(1)
+					}
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	t.Logf("allowed %d of %d, %d decided by Redis", allowed.Load(), attempts, remote.Load())
+	if allowed.Load() != 1000 || remote.Load() != attempts {
+		t.Errorf("allowed %d with %d remote decisions of %d; want exactly 1000, all remote",
+			allowed.Load(), remote.Load(), attempts)
+	}
+}
+
+// TestNoScriptUnderLoad: SCRIPT FLUSH while decisions run costs neither a
+// denial nor a local decision nor a breaker trip.
+func TestNoScriptUnderLoad(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: Limit{Rate: 1e-3, Burst: 500}, Timeout: 5 * time.Second})
+	stop := make(chan struct{})
+	flushed := make(chan int)
+	go func() {
+		n := 0
+		defer func() { flushed <- n }()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(10 * time.Millisecond):
+				srv.Do(t, "SCRIPT", "FLUSH")
+				n++
+			}
+		}
+	}()
+	var allowed, nonRemote atomic.Int64
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 100 {
+				d, err := lim.Allow(context.Background(), "k")
+				if err != nil {
+					t.Errorf("Allow = %v", err)
+					return
+				}
+				if d.Mode != ModeRemote {
+					nonRemote.Add(1)
+				}
+				if d.Allowed {
+					allowed.Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(stop)
+	n := <-flushed
+	t.Logf("%d SCRIPT FLUSH during 800 decisions", n)
+	if allowed.Load() != 500 || nonRemote.Load() != 0 || n == 0 {
+		t.Errorf("allowed %d, %d not remote, %d flushes; want 500, 0, > 0", allowed.Load(), nonRemote.Load(), n)
+	}
+}
+
+// TestPausedRedis: with a client built from default options (no context
+// deadlines on reads, 3 retries), a paused Redis costs no decision more
+// than the time budget; decisions go local while it is paused and back to
+// Redis after it resumes.
+func TestPausedRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	c := redis.NewClient(&redis.Options{Addr: srv.Addr()}) // defaults on purpose
+	defer c.Close()
+	const budget = 50 * time.Millisecond
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1000), Timeout: budget,
+		Breaker: BreakerConfig{OpenFor: 200 * time.Millisecond}})
+	ctx := context.Background()
+	if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+		t.Fatalf("Allow before the pause = %+v, %v; want remote", d, err)
+	}
+
+	srv.Pause(t)
+	paused := true
+	defer func() {
+		if paused {
+			srv.Resume(t)
+		}
+	}()
+	var slowest time.Duration
+	modes := map[Mode]int{}
+	for range 50 {
+		start := time.Now()
+		d, err := lim.Allow(ctx, "k")
+		took := time.Since(start)
+		slowest = max(slowest, took)
+		if err != nil {
+			t.Fatalf("Allow while paused = %v", err)
+		}
+		modes[d.Mode]++
+	}
+	t.Logf("paused: slowest decision %v, modes %v", slowest, modes)
+	// The budget plus room for a loaded machine running the race detector;
+	// a socket time-out would be seconds.
+	if limit := budget + 100*time.Millisecond; slowest > limit {
+		t.Errorf("slowest decision while paused took %v; want at most %v", slowest, limit)
+	}
+	if modes[ModeLocal] != 50 {
+		t.Errorf("modes while paused = %v; want all 50 local", modes)
+	}
+
+	srv.Resume(t)
+	paused = false
+	resumed := time.Now()
+	for {
+		d, err := lim.Allow(ctx, "k")
+		if err != nil {
+			t.Fatalf("Allow after resume = %v", err)
+		}
+		if d.Mode == ModeRemote {
+			break
+		}
+		// OpenFor plus jitter, plus go-redis's second of failing fast
+		// after a dead connection, plus margin.
+		if time.Since(resumed) > 3*time.Second {
+			t.Fatalf("still %v 3s after resume", d.Mode)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("back to remote %v after resume", time.Since(resumed).Round(time.Millisecond))
+}
+
+// TestPolicies: while Redis is paused, FailOpen allows and FailClosed denies
+// everything, each with its Mode and a nil error.
+func TestPolicies(t *testing.T) {
+	srv := redistest.Start(t)
+	srv.Pause(t)
+	defer srv.Resume(t)
+	for _, tc := range []struct {
+		p       FailurePolicy
+		allowed bool
+		mode    Mode
+	}{
+		{FailOpen, true, ModeFailOpen},
+		{FailClosed, false, ModeFailClosed},
+	} {
+		lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(5), OnFailure: tc.p,
+			Timeout: 20 * time.Millisecond})
+		for i := range 20 {
+			d, err := lim.Allow(context.Background(), "k")
+			if err != nil || d.Allowed != tc.allowed || d.Mode != tc.mode {
+				t.Fatalf("%v: decision %d = %+v, %v; want allowed=%v mode %v", tc.p, i, d, err, tc.allowed, tc.mode)
+			}
+			if !d.Allowed && d.RetryAfter <= 0 {
+				t.Errorf("%v: denied with RetryAfter %v; want > 0", tc.p, d.RetryAfter)
+			}
+		}
+	}
+}
+
+// TestCallerCancellation: decisions whose context is cancelled or expires
+// return the context's error and never open the breaker.
+func TestCallerCancellation(t *testing.T) {
+	srv := redistest.Start(t)
+	lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(1e6), Timeout: time.Second})
+	cancelled, cancel := context.WithCancel(context.Background())
+	cancel()
+	for i := range 1000 {
+		ctx := cancelled
+		if i%2 == 1 {
+			var c context.CancelFunc
+			ctx, c = context.WithTimeout(context.Background(), time.Microsecond)
+			defer c()
+		}
+		d, err := lim.Allow(ctx, "k")
+		if err == nil && d.Mode != ModeRemote {
+			t.Fatalf("decision %d = %+v; want an error or a remote decision", i, d)
+		}
+		if err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("decision %d error = %v; want the context's", i, err)
+		}
+	}
+	if st := lim.single.cb.State(); st.String() != "closed" {
+		t.Errorf("breaker after 1000 cancelled decisions is %v; want closed", st)
+	}
+	if d, err := lim.Allow(context.Background(), "k"); err != nil || d.Mode != ModeRemote {
+		t.Errorf("Allow after the cancellations = %+v, %v; want remote", d, err)
+	}
+}
+
+func TestClose(t *testing.T) {
+	_, c := miniClient(t)
+	if err := c.Ping(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	before := goleak.IgnoreCurrent()
+	lim, err := New(Config{Redis: c, Limit: PerSecond(10)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lim.Allow(context.Background(), "k"); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if err := lim.Close(); err != nil {
+			t.Errorf("Close = %v; want nil", err)
+		}
+	}
+	if d, err := lim.Allow(context.Background(), "k"); !errors.Is(err, ErrClosed) || d.Allowed {
+		t.Errorf("Allow after Close = %+v, %v; want ErrClosed", d, err)
+	}
+	if err := c.Ping(context.Background()).Err(); err != nil {
+		t.Errorf("client after Close: %v; want it left open", err)
+	}
+	// Every goroutine New started has returned.
+	goleak.VerifyNone(t, before)
+}

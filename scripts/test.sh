@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs hybridlimit's whole test suite with the race detector, as CI does.
+# The real-Redis tests start their own redis-server processes on free
+# loopback ports; this script installs Debian's redis-server (which brings
+# redis-cli) when it is missing. Extra arguments go to `go test`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+  echo "redis-server not found: installing Debian's redis-server" >&2
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+# Debian starts a redis-server service on 6379 after installing; the tests
+# never use it (they start their own), so leave it alone.
+redis-server --version
+
+go vet ./...
+go test -race -count=1 -timeout 15m "$@" ./...
