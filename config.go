@@ -33,6 +33,11 @@ const (
 	DefaultMaxLocalKeys = 1_000_000
 	// MaxKeyLen is the longest key AllowN accepts, in bytes.
 	MaxKeyLen = 1024
+	// DefaultHeartbeat is how often an instance tells the fleet it is live
+	// and how busy it is.
+	DefaultHeartbeat = time.Second
+	// DefaultName names a limiter group.
+	DefaultName = "default"
 )
 
 // Limit is a token bucket: it refills at Rate tokens per second up to Burst
@@ -102,11 +107,27 @@ type Config struct {
 	// *redis.ClusterClient, a failover client, or any other
 	// UniversalClient. The Limiter never closes it. Required.
 	Redis redis.UniversalClient
-	// Limit is the limit shared by every instance, for every key. Required.
+	// Limit is the limit shared by every instance, for every key that
+	// LimitFor does not give another; SetLimit changes it. Required.
 	Limit Limit
-	// Instances is how many instances share the limit; under FailLocal
-	// each holds 1/Instances of it while Redis is away. Zero means 1.
+	// LimitFor, if not nil, chooses the limit of each key (tiers, say); a
+	// zero Limit means Limit. It is called on every decision, so it should
+	// be quick. A bucket whose limit changes keeps its level.
+	LimitFor func(key string) Limit
+	// Name names the limiter group: the instances that share these limits.
+	// It labels logs and observations and names the fleet's heartbeat key.
+	// Zero means DefaultName.
+	Name string
+	// Instances is how many instances share the limit, until the fleet's
+	// heartbeats say better; under FailLocal each holds its share of the
+	// limit while Redis is away. Zero means 1.
 	Instances int
+	// Heartbeat is how often this instance records in Redis that it is
+	// live and how many decisions per second it makes, so that every
+	// instance can size its local share from the live fleet, weighted by
+	// traffic. Zero means DefaultHeartbeat; negative means no heartbeat,
+	// and shares stay 1/Instances.
+	Heartbeat time.Duration
 	// Prefix is put before every key in Redis. A Cluster user may put a
 	// hash tag in it or in the keys. Zero means DefaultPrefix.
 	Prefix string
@@ -120,12 +141,20 @@ type Config struct {
 	// MaxLocalKeys bounds the local buckets held for FailLocal. Zero means
 	// DefaultMaxLocalKeys.
 	MaxLocalKeys int
+	// Shadow computes, observes and reports every decision but never
+	// enforces it: a denial is returned with Allowed true and Shadowed true.
+	// Use it to watch what a new limit would deny before turning it on.
+	Shadow bool
+	// Observer, if not nil, is told of every decision and breaker change.
+	Observer Observer
 	// Logger receives breaker state changes and repaired keys. Nil means
 	// silent.
 	Logger *slog.Logger
 
 	// now is the clock of the local buckets; nil means time.Now. Tests set it.
 	now func() time.Time
+	// noCache turns off answering denials from what Redis said. Tests set it.
+	noCache bool
 }
 
 // Errors returned by New and Limiter methods. Test for them with errors.Is.
@@ -135,16 +164,34 @@ var (
 	ErrInvalidConfig = errors.New("hybridlimit: invalid config")
 	// ErrInvalidKey is returned for an empty key or one longer than MaxKeyLen.
 	ErrInvalidKey = errors.New("hybridlimit: invalid key")
-	// ErrInvalidN is returned for n < 1 or n > Limit.Burst.
+	// ErrInvalidN is returned for n < 1 or n > the key's Limit.Burst.
 	ErrInvalidN = errors.New("hybridlimit: invalid n")
+	// ErrInvalidLimit is returned for a Limit that is not positive and
+	// finite, or that the script cannot hold exactly, from SetLimit or
+	// from Config.LimitFor.
+	ErrInvalidLimit = errors.New("hybridlimit: invalid limit")
 	// ErrClosed is returned by decisions after Close.
 	ErrClosed = errors.New("hybridlimit: limiter closed")
 )
 
+// check reports whether l is a limit the script holds exactly.
+func (l Limit) check() error {
+	if !(l.Rate > 0) || math.IsInf(l.Rate, 0) {
+		return fmt.Errorf("%w: Rate must be positive and finite, got %v", ErrInvalidLimit, l.Rate)
+	}
+	if l.Burst < 1 {
+		return fmt.Errorf("%w: Burst must be at least 1, got %d", ErrInvalidLimit, l.Burst)
+	}
+	if _, err := remote.NewLimit(l.Rate, l.Burst); err != nil {
+		return fmt.Errorf("%w: %v: %v", ErrInvalidLimit, l, err)
+	}
+	return nil
+}
+
 // validate checks cfg and fills in the defaults.
-func (cfg *Config) validate() (remote.Limit, error) {
-	bad := func(format string, args ...any) (remote.Limit, error) {
-		return remote.Limit{}, fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, args...)...)
+func (cfg *Config) validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: "+format, append([]any{ErrInvalidConfig}, args...)...)
 	}
 	if cfg.Redis == nil {
 		return bad("Redis is nil")
@@ -155,9 +202,8 @@ func (cfg *Config) validate() (remote.Limit, error) {
 	if cfg.Limit.Burst < 1 {
 		return bad("Limit.Burst must be at least 1, got %d", cfg.Limit.Burst)
 	}
-	rl, err := remote.NewLimit(cfg.Limit.Rate, cfg.Limit.Burst)
-	if err != nil {
-		return bad("Limit %v: %v", cfg.Limit, err)
+	if err := cfg.Limit.check(); err != nil {
+		return bad("Limit: %v", err)
 	}
 	switch {
 	case cfg.Instances < 0:
@@ -176,6 +222,12 @@ func (cfg *Config) validate() (remote.Limit, error) {
 		return bad("Breaker.Probes must not be negative, got %d", cfg.Breaker.Probes)
 	case cfg.MaxLocalKeys < 0:
 		return bad("MaxLocalKeys must not be negative, got %d", cfg.MaxLocalKeys)
+	}
+	if cfg.Name == "" {
+		cfg.Name = DefaultName
+	}
+	if cfg.Heartbeat == 0 {
+		cfg.Heartbeat = DefaultHeartbeat
 	}
 	if cfg.Instances == 0 {
 		cfg.Instances = 1
@@ -206,6 +258,44 @@ func (cfg *Config) validate() (remote.Limit, error) {
 	}
 	if cfg.now == nil {
 		cfg.now = time.Now
+	}
+	return nil
+}
+
+// limitFor returns key's limit.
+func (lim *Limiter) limitFor(key string) (Limit, error) {
+	if lim.cfg.LimitFor != nil {
+		if l := lim.cfg.LimitFor(key); l != (Limit{}) {
+			if err := l.check(); err != nil {
+				return Limit{}, fmt.Errorf("LimitFor(%q): %w", key, err)
+			}
+			return l, nil
+		}
+	}
+	return *lim.limit.Load(), nil
+}
+
+// Limit returns the default limit: Config.Limit, or what SetLimit set.
+func (lim *Limiter) Limit() Limit { return *lim.limit.Load() }
+
+// SetLimit changes the default limit at run time. Each key's bucket in
+// Redis takes the new limit on its next decision and keeps its level (a
+// smaller burst caps it); the local shares follow. Every instance of the
+// group should be given the same limit. It returns an error wrapping
+// ErrInvalidLimit for a limit the script cannot hold exactly.
+func (lim *Limiter) SetLimit(l Limit) error {
+	if err := l.check(); err != nil {
+		return err
+	}
+	lim.limit.Store(&l)
+	return nil
+}
+
+// remoteLimit returns l in the script's fixed point.
+func (lim *Limiter) remoteLimit(l Limit) (remote.Limit, error) {
+	rl, err := remote.NewLimit(l.Rate, l.Burst)
+	if err != nil {
+		return remote.Limit{}, fmt.Errorf("%w: %v", ErrInvalidLimit, err)
 	}
 	return rl, nil
 }

@@ -10,8 +10,11 @@
 // node's breaker is open, the FailurePolicy decides instead:
 //
 //   - FailLocal (the default) decides on this instance's share of the limit:
-//     a local golang.org/x/time/rate bucket per key holding
-//     Rate/Instances tokens per second and Burst/Instances tokens;
+//     a local golang.org/x/time/rate bucket per key holding its share of
+//     the rate and burst. The share is 1/Instances until the fleet's
+//     heartbeats say how many instances are live and how busy each is.
+//     A key's local bucket starts from what Redis last said of the key, not
+//     full, and what it spent is charged to Redis when Redis is back;
 //   - FailOpen allows everything;
 //   - FailClosed denies everything.
 //
@@ -24,8 +27,11 @@ package hybridlimit
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -43,7 +49,8 @@ type Mode int
 
 // The decision paths.
 const (
-	// ModeRemote: the shared bucket in Redis decided.
+	// ModeRemote: the shared bucket in Redis decided, or what Redis said
+	// of the key proves its answer (a denial that Redis would repeat).
 	ModeRemote Mode = iota
 	// ModeLocal: this instance's local share decided (FailLocal).
 	ModeLocal
@@ -68,6 +75,9 @@ func (m Mode) String() string {
 	return fmt.Sprintf("Mode(%d)", int(m))
 }
 
+// Degraded reports whether m is a decision made without Redis.
+func (m Mode) Degraded() bool { return m != ModeRemote }
+
 // Decision is the outcome of AllowN.
 type Decision struct {
 	// Allowed reports whether the n tokens were granted.
@@ -85,21 +95,28 @@ type Decision struct {
 	ResetAfter time.Duration
 	// Mode says which path decided.
 	Mode Mode
+	// Limit is the limit that applied to the key.
+	Limit Limit
+	// Shadowed reports that the limit denied the decision but Config.Shadow
+	// let it through: Allowed is true, RetryAfter says what a denial would.
+	Shadowed bool
 }
 
 // Limiter decides, per key, whether an event may happen now. Create it
 // with New; the zero value is not usable.
 type Limiter struct {
 	cfg     Config
-	limit   remote.Limit // cfg.Limit in the script's fixed point
-	share   rate.Limit   // local share: tokens per second
-	burst   int          // local share: capacity
-	shares  *local.Shares
-	cluster *redis.ClusterClient // nil unless cfg.Redis is a Cluster client
-	single  *node                // the one node unless cluster
+	id      string                  // this instance, in the fleet
+	limit   atomic.Pointer[Limit]   // the default limit; SetLimit changes it
+	view    atomic.Pointer[fleet]   // this instance's share of every limit
+	shares  *local.Shares           // local buckets and what Redis said per key
+	cluster *redis.ClusterClient    // nil unless cfg.Redis is a Cluster client
+	single  *node                   // the one node unless cluster
+	nodes   atomic.Pointer[nodeMap] // cluster nodes by address; copy on write
+	count   atomic.Int64            // decisions, for the fleet's weights
+	healed  chan *node              // nodes whose breaker closed, to reconcile
 
-	mu     sync.Mutex // protects nodes' writers and closed
-	nodes  atomic.Pointer[map[string]*node]
+	mu     sync.Mutex // serializes writers of nodes, and closed with them
 	closed atomic.Bool
 
 	done chan struct{}
@@ -107,9 +124,12 @@ type Limiter struct {
 	once sync.Once
 }
 
+type nodeMap = map[string]*node
+
 // node is one Redis node (one master of a Cluster): its breaker and the
 // pipe its decisions go through.
 type node struct {
+	addr string
 	cb   *breaker.Breaker
 	pipe *remote.Pipe
 }
@@ -120,27 +140,28 @@ const sweepEvery = 10 * time.Second
 // New returns a Limiter for cfg, or an error wrapping ErrInvalidConfig that
 // names the offending field.
 //
-// New starts a few goroutines per Redis node, which send decisions, and one
-// that drops idle local buckets; Close stops them and waits for them to
-// return. New does not talk to Redis: the first decision loads the script.
+// New starts a few goroutines per Redis node, which send decisions, one
+// that drops idle local buckets, one that charges Redis for local spending
+// when a node's breaker closes, and one that sends the fleet heartbeat;
+// Close stops them and waits for them to return. New does not talk to
+// Redis: the first decision loads the script.
 func New(cfg Config) (*Limiter, error) {
-	rl, err := cfg.validate()
-	if err != nil {
+	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	burst := cfg.Limit.Burst / int64(cfg.Instances)
-	if burst < 1 {
-		burst = 1
-	}
+	var id [8]byte
+	_, _ = rand.Read(id[:])
 	lim := &Limiter{
 		cfg:    cfg,
-		limit:  rl,
-		share:  rate.Limit(cfg.Limit.Rate / float64(cfg.Instances)),
-		burst:  int(burst),
+		id:     hex.EncodeToString(id[:]),
 		shares: local.New(cfg.MaxLocalKeys),
+		healed: make(chan *node, 16),
 		done:   make(chan struct{}),
 	}
-	lim.nodes.Store(&map[string]*node{})
+	l := cfg.Limit
+	lim.limit.Store(&l)
+	lim.view.Store(&fleet{weight: 1 / float64(cfg.Instances), size: cfg.Instances})
+	lim.nodes.Store(&nodeMap{})
 	if cc, ok := cfg.Redis.(*redis.ClusterClient); ok {
 		lim.cluster = cc
 	} else {
@@ -150,29 +171,43 @@ func New(cfg Config) (*Limiter, error) {
 		}
 		lim.single = lim.newNode(name)
 	}
-	lim.wg.Add(1)
+	lim.wg.Add(2)
 	go lim.sweep()
+	go lim.reconciler()
+	if cfg.Heartbeat > 0 {
+		lim.wg.Add(1)
+		go lim.heartbeat()
+	}
 	return lim, nil
 }
 
-func (lim *Limiter) newNode(name string) *node {
-	log := lim.cfg.Logger
+func (lim *Limiter) newNode(addr string) *node {
 	b := lim.cfg.Breaker
-	return &node{
-		cb: breaker.New(breaker.Settings{
-			Name:     name,
-			Failures: uint32(b.Failures),
-			OpenFor:  b.OpenFor,
-			Jitter:   b.Jitter,
-			Probes:   uint32(b.Probes),
-			OnStateChange: func(name string, from, to breaker.State) {
-				log.Warn("hybridlimit: breaker state changed",
-					"node", name, "from", from.String(), "to", to.String(),
-					"policy", lim.cfg.OnFailure.String())
-			},
-		}),
-		pipe: remote.NewPipe(lim.cfg.Redis, 0),
-	}
+	nd := &node{addr: addr, pipe: remote.NewPipe(lim.cfg.Redis, 0)}
+	nd.cb = breaker.New(breaker.Settings{
+		Name:     addr,
+		Failures: uint32(b.Failures),
+		OpenFor:  b.OpenFor,
+		Jitter:   b.Jitter,
+		Probes:   uint32(b.Probes),
+		OnStateChange: func(name string, from, to breaker.State) {
+			lim.cfg.Logger.Warn("hybridlimit: breaker state changed",
+				"limiter", lim.cfg.Name, "node", name, "from", from.String(), "to", to.String(),
+				"policy", lim.cfg.OnFailure.String())
+			if lim.cfg.Observer != nil {
+				lim.cfg.Observer.ObserveBreaker(BreakerEvent{
+					Limiter: lim.cfg.Name, Node: name, From: from.String(), To: to.String(),
+				})
+			}
+			if to == breaker.StateClosed {
+				select {
+				case lim.healed <- nd:
+				default: // a reconciliation is pending already
+				}
+			}
+		},
+	})
+	return nd
 }
 
 // nodeFor returns the node that owns key: for a Cluster, the key's master.
@@ -197,7 +232,7 @@ func (lim *Limiter) nodeFor(ctx context.Context, key string) (*node, error) {
 	if nd := old[addr]; nd != nil {
 		return nd, nil
 	}
-	nodes := make(map[string]*node, len(old)+1)
+	nodes := make(nodeMap, len(old)+1)
 	for k, v := range old {
 		nodes[k] = v
 	}
@@ -215,17 +250,22 @@ func (lim *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 // AllowN reports whether n tokens may be taken from key's bucket now, and
 // takes them if so.
 //
-// It returns an error only for bad input (ErrInvalidKey, ErrInvalidN),
-// after Close (ErrClosed), or when ctx ends before Redis answers (ctx's
-// error: the caller gave up, and no decision was made). Redis failures are
-// not errors: the FailurePolicy decides, and Decision.Mode says so. AllowN
-// waits at most Config.Timeout for Redis.
+// It returns an error only for bad input (ErrInvalidKey, ErrInvalidN, or
+// ErrInvalidLimit from Config.LimitFor), after Close (ErrClosed), or when
+// ctx ends before Redis answers (ctx's error: the caller gave up, and no
+// decision was made). Redis failures are not errors: the FailurePolicy
+// decides, and Decision.Mode says so. AllowN waits at most Config.Timeout
+// for Redis.
 func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, error) {
 	if len(key) == 0 || len(key) > MaxKeyLen {
 		return Decision{}, fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
 	}
-	if n < 1 || n > lim.cfg.Limit.Burst {
-		return Decision{}, fmt.Errorf("%w: n=%d, want 1 to burst %d", ErrInvalidN, n, lim.cfg.Limit.Burst)
+	l, err := lim.limitFor(key)
+	if err != nil {
+		return Decision{}, err
+	}
+	if n < 1 || n > l.Burst {
+		return Decision{}, fmt.Errorf("%w: n=%d, want 1 to burst %d", ErrInvalidN, n, l.Burst)
 	}
 	if lim.closed.Load() {
 		return Decision{}, ErrClosed
@@ -233,6 +273,27 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 	if err := ctx.Err(); err != nil {
 		return Decision{}, err
 	}
+	start := time.Now()
+	d, err := lim.decide(ctx, key, n, l, start)
+	if err != nil {
+		return Decision{}, err
+	}
+	d.Limit = l
+	if lim.cfg.Shadow && !d.Allowed {
+		d.Allowed, d.Shadowed = true, true
+	}
+	if lim.cfg.Observer != nil {
+		lim.cfg.Observer.ObserveDecision(DecisionEvent{
+			Limiter: lim.cfg.Name, Mode: d.Mode, Allowed: d.Allowed, Shadowed: d.Shadowed,
+			N: n, Latency: time.Since(start),
+		})
+	}
+	return d, nil
+}
+
+// decide makes the decision: from what Redis said of the key, by Redis, or
+// by the failure policy.
+func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit, start time.Time) (Decision, error) {
 	rkey := lim.cfg.Prefix + key
 	rctx, cancel := context.WithTimeout(ctx, lim.cfg.Timeout)
 	defer cancel()
@@ -241,50 +302,108 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 		if errors.Is(err, ErrClosed) {
 			return Decision{}, err
 		}
-		// The Cluster's layout is unknown: no node to ask.
-		if ctx.Err() != nil {
-			return Decision{}, ctx.Err()
+		if callerEnded(ctx, rctx, err) {
+			return Decision{}, ctxErr(ctx)
 		}
-		return lim.fallback(key, n, nil), nil
+		// The Cluster's layout is unknown: no node to ask.
+		return lim.fallback(key, n, l, nil), nil
+	}
+	if nd.cb.State() != breaker.StateOpen {
+		lim.count.Add(1)
+		if d, ok := lim.cached(key, n, l); ok && !lim.cfg.noCache {
+			return d, nil
+		}
 	}
 	done, ok := nd.cb.Allow()
 	if !ok {
-		return lim.fallback(key, n, nd), nil
+		return lim.fallback(key, n, l, nd), nil
 	}
-	res, err := nd.pipe.Take(rctx, rkey, lim.limit, n)
+	rl, err := lim.remoteLimit(l)
+	if err != nil { // limitFor checked it
+		done(nil)
+		return Decision{}, err
+	}
+	res, err := nd.pipe.Take(rctx, rkey, rl, n)
 	switch {
 	case err == nil:
 		done(nil)
 		if res.Repaired {
 			lim.cfg.Logger.Warn("hybridlimit: replaced a foreign value with a full bucket", "key", rkey)
 		}
+		lim.observe(start, key, rl, res.Level)
 		return Decision{
 			Allowed:    res.Allowed,
-			Remaining:  res.Level / lim.limit.P,
+			Remaining:  res.Level / rl.P,
 			RetryAfter: res.RetryAfter,
 			ResetAfter: res.ResetAfter,
 			Mode:       ModeRemote,
 		}, nil
-	case callerEnded(ctx, rctx, err):
-		// The caller's own context ended: not Redis's fault.
-		done(fmt.Errorf("%w: %w", breaker.ErrCallerCanceled, err))
-		if cerr := ctx.Err(); cerr != nil {
-			return Decision{}, cerr
-		}
-		return Decision{}, context.DeadlineExceeded
 	case errors.Is(err, remote.ErrClosed):
 		done(breaker.ErrCallerCanceled)
 		return Decision{}, ErrClosed
+	}
+	if errors.Is(err, remote.ErrUnanswered) {
+		lim.shares.Unanswered(start, key, float64(n))
+	}
+	if callerEnded(ctx, rctx, err) {
+		// The caller's own context ended: not Redis's fault.
+		done(fmt.Errorf("%w: %w", breaker.ErrCallerCanceled, err))
+		return Decision{}, ctxErr(ctx)
 	}
 	if errors.Is(err, remote.ErrReply) || !breaker.IsFailure(err) {
 		// Redis answered, but not with a decision (a script error, a
 		// reply of the wrong shape): the node is healthy, the key is not.
 		done(nil)
 		lim.cfg.Logger.Error("hybridlimit: remote decision failed", "key", rkey, "err", err)
-		return lim.fallback(key, n, nd), nil
+		return lim.fallback(key, n, l, nd), nil
 	}
 	done(err)
-	return lim.fallback(key, n, nd), nil
+	return lim.fallback(key, n, l, nd), nil
+}
+
+// observe records what Redis said of key at start: level units of 1/rl.P
+// token. The local bucket starts from it if Redis fails, and cached answers
+// denials from it.
+func (lim *Limiter) observe(start time.Time, key string, rl remote.Limit, level int64) {
+	capacity := float64(rl.Burst) * float64(rl.P)
+	lim.shares.Observe(start, key, float64(level)/capacity, rl.Rate()/float64(rl.Burst))
+}
+
+// cached answers a decision that Redis would deny, from what Redis last
+// said of the key: the bucket held part frac of its burst at time at (when
+// that request was sent, no later than when Redis decided) and cannot have
+// gained more than the refill since, whatever other instances do. If that
+// is less than n, Redis would deny too, so nothing is sent. RetryAfter is
+// then a lower bound of Redis's: other instances may have spent more.
+// A Refund by another instance, or a raised limit, can make the bucket
+// hold more than that bound; the error lasts at most one RetryAfter.
+func (lim *Limiter) cached(key string, n int64, l Limit) (Decision, bool) {
+	frac, fill, at, ok := lim.shares.Seen(key)
+	if !ok {
+		return Decision{}, false
+	}
+	now := time.Now()
+	frac = math.Min(1, frac+fill*now.Sub(at).Seconds())
+	tokens := frac * float64(l.Burst)
+	if tokens >= float64(n) {
+		return Decision{}, false
+	}
+	return Decision{
+		Remaining:  int64(tokens),
+		RetryAfter: seconds((float64(n) - tokens) / l.Rate),
+		ResetAfter: seconds((float64(l.Burst) - tokens) / l.Rate),
+		Mode:       ModeRemote,
+	}, true
+}
+
+// seconds converts seconds to a Duration, rounding up to the microsecond
+// as the script does.
+func seconds(s float64) time.Duration {
+	us := math.Ceil(s * 1e6)
+	if us >= math.MaxInt64/1000 {
+		return math.MaxInt64
+	}
+	return time.Duration(us) * time.Microsecond
 }
 
 // callerEnded reports whether err comes from the caller's context ending
@@ -304,9 +423,18 @@ func callerEnded(ctx, rctx context.Context, err error) bool {
 	return ok && !cd.After(rd)
 }
 
+// ctxErr returns ctx's error, or DeadlineExceeded if its deadline has
+// passed but its timer has not fired yet.
+func ctxErr(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return context.DeadlineExceeded
+}
+
 // fallback decides by the failure policy. nd is the node that could not
 // decide, nil if none was found.
-func (lim *Limiter) fallback(key string, n int64, nd *node) Decision {
+func (lim *Limiter) fallback(key string, n int64, l Limit, nd *node) Decision {
 	switch lim.cfg.OnFailure {
 	case FailOpen:
 		return Decision{Allowed: true, Mode: ModeFailOpen}
@@ -319,14 +447,22 @@ func (lim *Limiter) fallback(key string, n int64, nd *node) Decision {
 		}
 		return d
 	}
-	r := lim.shares.AllowN(lim.cfg.now(), key, lim.share, lim.burst, int(n))
+	r, burst := lim.share(l)
+	res := lim.shares.AllowN(lim.cfg.now(), key, r, burst, int(n))
 	return Decision{
-		Allowed:    r.Allowed,
-		Remaining:  r.Remaining,
-		RetryAfter: r.RetryAfter,
-		ResetAfter: r.ResetAfter,
+		Allowed:    res.Allowed,
+		Remaining:  res.Remaining,
+		RetryAfter: res.RetryAfter,
+		ResetAfter: res.ResetAfter,
 		Mode:       ModeLocal,
 	}
+}
+
+// share returns this instance's share of l: rate and burst (at least 1).
+func (lim *Limiter) share(l Limit) (rate.Limit, int) {
+	w := lim.view.Load().weight
+	burst := int64(float64(l.Burst) * w)
+	return rate.Limit(l.Rate * w), int(max(burst, 1))
 }
 
 // sweep drops full local buckets every sweepEvery until Close.
@@ -346,21 +482,22 @@ func (lim *Limiter) sweep() {
 
 // Close stops the limiter's goroutines and waits for them to return;
 // decisions after Close return ErrClosed. A decision in flight may still
-// finish. Close leaves the Redis client open. It is idempotent and always
-// returns nil.
+// finish, and Close waits for Redis calls already sent, which the client's
+// own time-outs bound. Close leaves the Redis client open. It is idempotent
+// and always returns nil.
 func (lim *Limiter) Close() error {
 	lim.once.Do(func() {
 		lim.mu.Lock()
 		lim.closed.Store(true)
 		lim.mu.Unlock()
 		close(lim.done)
+		lim.wg.Wait()
 		if lim.single != nil {
 			lim.single.pipe.Close()
 		}
 		for _, nd := range *lim.nodes.Load() {
 			nd.pipe.Close()
 		}
-		lim.wg.Wait()
 	})
 	return nil
 }

@@ -20,8 +20,8 @@ import (
 )
 
 // DefaultMaxKeys is the number of buckets New allows when maxKeys < 1.
-// A bucket costs about 200 bytes of heap (measured by TestMemoryPerKey),
-// so a million keys cost about 200 MB: enough keys for a busy instance,
+// A bucket costs about 230 bytes of heap (measured by TestMemoryPerKey),
+// so a million keys cost about 230 MB: enough keys for a busy instance,
 // little enough to fit beside it.
 const DefaultMaxKeys = 1_000_000
 
@@ -50,26 +50,57 @@ const maxShards = 64
 // Shares is safe for concurrent use by multiple goroutines.
 type Shares struct {
 	seed   maphash.Seed
+	epoch  time.Time // the origin of every mono
 	shards []shard
 }
 
 // shard is one part of the key space.
 type shard struct {
-	mu  sync.Mutex // protects m
-	m   map[string]bucket
-	max int // most entries m may hold; at least 1
+	mu  sync.Mutex // protects m and every field of its entries
+	m   map[string]*bucket
+	max   int        // most entries m may hold; at least 1
+	epoch *time.Time // the Shares' epoch
 
-	_ [40]byte // pads a shard to 64 bytes on 64-bit platforms, a cache line
+	_ [32]byte // pads a shard to 64 bytes on 64-bit platforms, a cache line
 }
 
-// bucket is one key's limiter together with the rate and burst it was last
-// given, so that AllowN can see a change without taking the limiter's lock.
-// Fields r and burst are protected by the shard's mu.
+// bucket is what this instance knows of one key: its local limiter, if a
+// local decision needed one, and what Redis last said of the key.
+// Every field is protected by the shard's mu; the limiter has its own lock.
 type bucket struct {
+	// lim is the local bucket, nil until a local decision needs it and
+	// again after Drain. r and burst are the rate and burst it was last
+	// given, so that AllowN can see a change without taking its lock.
 	lim   *rate.Limiter
 	r     rate.Limit
 	burst int
+	// seed is what lim held at seedAt when it was created, for Drain.
+	seed   float64
+	seedAt mono
+	// unanswered counts tokens of decisions sent to Redis whose answer
+	// never came: Redis may still have taken them. Drain charges less by
+	// as much.
+	unanswered float64
+
+	// frac is the part of the key's burst that Redis reported at time
+	// seen (zero: never), and fill the part it refills per second.
+	frac float64
+	fill float64
+	seen mono
 }
+
+// mono is a time as nanoseconds since the Shares' epoch, on the monotonic
+// clock: 8 bytes where a time.Time takes 24, in every bucket.
+type mono int64
+
+func (s *Shares) mono(t time.Time) mono {
+	if d := t.Sub(s.epoch); d != 0 {
+		return mono(d)
+	}
+	return 1 // zero means never
+}
+
+func (s *Shares) time(m mono) time.Time { return s.epoch.Add(time.Duration(m)) }
 
 // New returns Shares holding at most maxKeys buckets.
 // maxKeys < 1 means DefaultMaxKeys.
@@ -86,15 +117,17 @@ func New(maxKeys int) *Shares {
 	n := min(maxKeys, maxShards)
 	s := &Shares{
 		seed:   maphash.MakeSeed(),
+		epoch:  time.Now(),
 		shards: make([]shard, n),
 	}
 	for i := range s.shards {
 		sh := &s.shards[i]
+		sh.epoch = &s.epoch
 		sh.max = maxKeys / n
 		if i < maxKeys%n {
 			sh.max++
 		}
-		sh.m = make(map[string]bucket)
+		sh.m = make(map[string]*bucket)
 	}
 	return s
 }
@@ -181,13 +214,19 @@ func (s *Shares) AllowN(now time.Time, key string, r rate.Limit, burst int, n in
 // before the swap takes from the old one.
 func (s *Shares) Seed(at time.Time, key string, r rate.Limit, burst int, tokens float64) {
 	r, burst = clean(r, burst)
-	if !(tokens > 0) { // also NaN
-		tokens = 0
-	}
-	if tokens > float64(burst) {
-		tokens = float64(burst)
-	}
+	tokens = clamp(tokens, burst)
+	lim := newLimiter(at, r, burst, tokens)
+	sh := s.shard(key)
+	sh.mu.Lock()
+	b := sh.entry(at, key)
+	b.lim, b.r, b.burst, b.seed, b.seedAt = lim, r, burst, tokens, s.mono(at)
+	sh.mu.Unlock()
+}
 
+// newLimiter returns a limiter of rate r and burst that holds tokens at
+// time at, clamped to [0, burst].
+func newLimiter(at time.Time, r rate.Limit, burst int, tokens float64) *rate.Limiter {
+	tokens = clamp(tokens, burst)
 	lim := rate.NewLimiter(r, burst)
 	take := math.Ceil(float64(burst) - tokens)
 	t := at
@@ -195,17 +234,102 @@ func (s *Shares) Seed(at time.Time, key string, r rate.Limit, burst int, tokens 
 		t = at.Add(-d)
 	}
 	lim.AllowN(t, int(take))
+	return lim
+}
 
+// Observe records what Redis said of key: the bucket held frac of its
+// burst at time at, and refills fill of its burst per second. A later
+// AllowN that needs a local bucket starts it from there, refilled since,
+// instead of full: the hand-off from Redis to local does not forget what
+// was spent. Time at must be a local monotonic time no later than when
+// Redis decided, such as when the request was sent.
+func (s *Shares) Observe(at time.Time, key string, frac, fill float64) {
 	sh := s.shard(key)
 	sh.mu.Lock()
-	if _, ok := sh.m[key]; !ok {
-		if len(sh.m) >= sh.max {
-			sh.makeRoom(at)
-		}
-		key = strings.Clone(key)
-	}
-	sh.m[key] = bucket{lim: lim, r: r, burst: burst}
+	b := sh.entry(at, key)
+	b.frac, b.fill, b.seen = frac, fill, s.mono(at)
 	sh.mu.Unlock()
+}
+
+// Seen returns what Observe last recorded for key: the part of the burst
+// Redis reported, the part it refills per second, and when. ok is false if
+// nothing was observed.
+func (s *Shares) Seen(key string) (frac, fill float64, at time.Time, ok bool) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	b := sh.m[key]
+	if b == nil || b.seen == 0 {
+		return 0, 0, time.Time{}, false
+	}
+	return b.frac, b.fill, s.time(b.seen), true
+}
+
+// Unanswered records that a decision of n tokens for key was sent to Redis
+// but its answer never came (a time-out), so that Redis may take the
+// tokens when it gets to it. Drain charges less by as much.
+func (s *Shares) Unanswered(now time.Time, key string, n float64) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	sh.entry(now, key).unanswered += n
+	sh.mu.Unlock()
+}
+
+// Drain reports, for every key that has a local bucket and for which match
+// (if not nil) is true, how many tokens this instance spent from it beyond
+// what it would hold untouched (its starting level refilled since, up to
+// burst), less what Unanswered recorded; and it drops the bucket, so that
+// the next local decision starts again from what Redis says. It is called
+// when Redis is back, to charge Redis for what was spent without it.
+//
+// match is called under a shard's lock: it must be quick and must not call
+// back into s. fn is called after each shard's lock is released.
+func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key string, spent float64)) {
+	type spend struct {
+		key   string
+		spent float64
+	}
+	var out []spend
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		for k, b := range sh.m {
+			if b.lim == nil && b.unanswered == 0 || match != nil && !match(k) {
+				continue
+			}
+			spent := -b.unanswered
+			if b.lim != nil {
+				untouched := math.Min(float64(b.burst), b.seed+float64(b.r)*now.Sub(s.time(b.seedAt)).Seconds())
+				spent += untouched - b.lim.TokensAt(now)
+			}
+			if spent > 0 {
+				out = append(out, spend{k, spent})
+			}
+			b.lim, b.unanswered = nil, 0
+		}
+		sh.mu.Unlock()
+		for _, sp := range out {
+			fn(sp.key, sp.spent)
+		}
+		out = out[:0]
+	}
+}
+
+// Refund gives n tokens back to key's local bucket, up to its burst. A key
+// without a local bucket is left alone.
+func (s *Shares) Refund(now time.Time, key string, n int) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	b := sh.m[key]
+	var lim *rate.Limiter
+	if b != nil {
+		lim = b.lim
+	}
+	sh.mu.Unlock()
+	if lim != nil && n > 0 {
+		// A negative take adds tokens; the next call caps them at burst.
+		lim.AllowN(now, -n)
+	}
 }
 
 // Sweep drops every bucket that is full at now and returns how many it
@@ -252,13 +376,18 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int) *rate.L
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 
-	b, ok := sh.m[key]
-	if !ok {
-		if len(sh.m) >= sh.max {
-			sh.makeRoom(now)
+	b := sh.m[key]
+	if b == nil {
+		b = sh.entry(now, key)
+	}
+	if b.lim == nil {
+		// Start from what Redis last said, refilled since; full if it
+		// said nothing, or if that is too old to matter.
+		b.seed, b.seedAt = float64(burst), s.mono(now)
+		if b.seen != 0 {
+			b.seed, b.seedAt = clamp(b.frac*float64(burst), burst), b.seen
 		}
-		b = bucket{lim: rate.NewLimiter(r, burst), r: r, burst: burst}
-		sh.m[strings.Clone(key)] = b
+		b.lim, b.r, b.burst = newLimiter(s.time(b.seedAt), r, burst, b.seed), r, burst
 		return b.lim
 	}
 	if b.r != r || b.burst != burst {
@@ -267,9 +396,23 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int) *rate.L
 		b.lim.SetLimitAt(now, r)
 		b.lim.SetBurstAt(now, burst)
 		b.r, b.burst = r, burst
-		sh.m[key] = b
 	}
 	return b.lim
+}
+
+// entry returns key's entry, creating an empty one (making room at now if
+// the shard is full) if there is none.
+// entry requires that sh.mu is held.
+func (sh *shard) entry(now time.Time, key string) *bucket {
+	b := sh.m[key]
+	if b == nil {
+		if len(sh.m) >= sh.max {
+			sh.makeRoom(now)
+		}
+		b = new(bucket)
+		sh.m[strings.Clone(key)] = b
+	}
+	return b
 }
 
 // makeRoom makes room for one more entry. It looks at up to scanLimit
@@ -285,7 +428,7 @@ func (sh *shard) makeRoom(now time.Time) {
 		if seen == 0 {
 			first = k
 		}
-		if b.full(now) {
+		if b.full(now, *sh.epoch) {
 			delete(sh.m, k)
 			dropped++
 		}
@@ -303,7 +446,7 @@ func (sh *shard) makeRoom(now time.Time) {
 func (sh *shard) dropFull(now time.Time) int {
 	n := 0
 	for k, b := range sh.m {
-		if b.full(now) {
+		if b.full(now, *sh.epoch) {
 			delete(sh.m, k)
 			n++
 		}
@@ -311,10 +454,15 @@ func (sh *shard) dropFull(now time.Time) int {
 	return n
 }
 
-// full reports whether b is full at now. A bucket with rate.Inf counts as
-// full: x/time/rate ignores its tokens.
-func (b bucket) full(now time.Time) bool {
-	return b.r == rate.Inf || b.lim.TokensAt(now) >= float64(b.burst)
+// full reports whether b is as good as new at now: its local bucket, if
+// any, is full (a bucket with rate.Inf counts as full: x/time/rate ignores
+// its tokens), and what Redis said of the key, if anything, has refilled
+// to a full bucket since.
+func (b *bucket) full(now time.Time, epoch time.Time) bool {
+	if b.lim != nil && b.r != rate.Inf && b.lim.TokensAt(now) < float64(b.burst) {
+		return false
+	}
+	return b.seen == 0 || b.frac+b.fill*now.Sub(epoch.Add(time.Duration(b.seen))).Seconds() >= 1
 }
 
 // clean maps rates and bursts that x/time/rate mishandles onto ones it
@@ -328,6 +476,14 @@ func clean(r rate.Limit, burst int) (rate.Limit, int) {
 		r = rate.Inf
 	}
 	return r, max(burst, 0)
+}
+
+// clamp returns tokens within [0, burst]; NaN counts as 0.
+func clamp(tokens float64, burst int) float64 {
+	if !(tokens > 0) {
+		return 0
+	}
+	return math.Min(tokens, float64(burst))
 }
 
 // floor returns the whole tokens in tokens, within [0, burst].

@@ -481,3 +481,77 @@ func BenchmarkAllowNNewKeys(b *testing.B) {
 		})
 	}
 }
+
+// TestObserveSeeds: a local bucket starts from what Redis last said of the
+// key, refilled since, instead of full.
+func TestObserveSeeds(t *testing.T) {
+	s := New(100)
+	// Redis said the key held 20% of its burst of 100 (20 tokens) at t0,
+	// refilling 10% of the burst per second (10/s). This instance holds a
+	// third: 33 tokens, 3.33/s, so its bucket starts at 6.67 at t0.
+	s.Observe(t0, "k", 0.2, 0.1)
+	if frac, fill, at, ok := s.Seen("k"); !ok || frac != 0.2 || fill != 0.1 || !at.Equal(t0) {
+		t.Errorf("Seen = %v, %v, %v, %v; want 0.2, 0.1, t0, true", frac, fill, at, ok)
+	}
+	if _, _, _, ok := s.Seen("other"); ok {
+		t.Errorf("Seen(other) = ok; want nothing observed")
+	}
+	r := rate.Limit(100.0 / 3)
+	// 300 ms later it holds 6.67 + 10 = 16.67 tokens.
+	got := s.AllowN(t0.Add(300*ms), "k", r, 33, 16)
+	if !got.Allowed || got.Remaining != 0 {
+		t.Errorf("AllowN(16) after the hand-off = %+v; want allowed, 0 left", got)
+	}
+	if got := s.AllowN(t0.Add(300*ms), "k", r, 33, 1); got.Allowed {
+		t.Errorf("AllowN(1) = %+v; want denied: the bucket did not start full", got)
+	}
+}
+
+// TestDrain: Drain reports what was spent beyond the untouched level, less
+// what went unanswered, drops the local bucket, and leaves other keys alone.
+func TestDrain(t *testing.T) {
+	s := New(100)
+	r := rate.Limit(10)
+	s.Observe(t0, "a", 0.5, 1) // 5 of 10 tokens
+	s.AllowN(t0, "a", r, 10, 4)
+	s.AllowN(t0, "b", r, 10, 10) // starts full: spends 10
+	s.Unanswered(t0, "b", 3)     // of which Redis may have taken 3
+	s.AllowN(t0, "c", r, 10, 2)  // not matched
+	s.Observe(t0, "d", 0.5, 1)   // observed only: nothing to charge
+	at := t0.Add(200 * ms)       // 2 tokens refilled since t0
+	got := map[string]float64{}
+	s.Drain(at, func(key string) bool { return key != "c" }, func(key string, spent float64) {
+		got[key] = spent
+	})
+	// a: untouched 5+2, holds 1+2. b: untouched 10 (full), holds 2, less 3.
+	want := map[string]float64{"a": 4, "b": 5}
+	if len(got) != len(want) || math.Abs(got["a"]-4) > 1e-9 || math.Abs(got["b"]-5) > 1e-9 {
+		t.Errorf("Drain = %v; want %v", got, want)
+	}
+	// The drained bucket is gone: the next local decision starts again
+	// from the observation (5 tokens at t0, full 500 ms later).
+	if res := s.AllowN(t0.Add(time.Second), "a", r, 10, 10); !res.Allowed {
+		t.Errorf("AllowN(10) after Drain = %+v; want a fresh bucket seeded from Redis", res)
+	}
+	// At t0+1s, a spent all 10 of a bucket that would be full; c, left
+	// alone by the first Drain, has refilled what it spent.
+	got = map[string]float64{}
+	s.Drain(t0.Add(time.Second), nil, func(key string, spent float64) { got[key] = spent })
+	if len(got) != 1 || math.Abs(got["a"]-10) > 1e-9 {
+		t.Errorf("second Drain = %v; want map[a:10]", got)
+	}
+}
+
+func TestRefund(t *testing.T) {
+	s := New(100)
+	s.AllowN(t0, "k", 1, 5, 5)
+	s.Refund(t0, "k", 2)
+	s.Refund(t0, "absent", 2)
+	run(t, s, []allow{
+		{0, "k", 1, 5, 2, ok(0, 5*time.Second)},
+		{0, "k", 1, 5, 1, denied(0, time.Second, 5*time.Second)},
+	})
+	if s.Len() != 1 {
+		t.Errorf("Len() = %d after refunding an absent key; want 1", s.Len())
+	}
+}

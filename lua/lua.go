@@ -10,3 +10,15 @@ import _ "embed"
 //
 //go:embed tokenbucket.lua
 var TokenBucket string
+
+// Charge is the source of the script that charges a bucket with tokens
+// spent while Redis was away, never refusing. See charge.lua.
+//
+//go:embed charge.lua
+var Charge string
+
+// Fleet is the source of the heartbeat script: it records one instance of
+// a limiter group and returns the live ones. See fleet.lua.
+//
+//go:embed fleet.lua
+var Fleet string

@@ -4,7 +4,8 @@
 -- ARGV[1]  q: tokens added per period (integer >= 1)
 -- ARGV[2]  p: period length in microseconds (integer >= 1)
 -- ARGV[3]  burst: capacity in tokens (integer >= 1)
--- ARGV[4]  n: tokens to take (integer >= 1)
+-- ARGV[4]  n: tokens to take (integer >= 1); a negative n gives -n tokens
+--          back (a refund), up to burst
 --
 -- Fixed point: the level is kept in units of 1/p token, so one microsecond
 -- adds exactly q units and no remainder is ever lost. Every number stays an
@@ -62,6 +63,9 @@ local retry = 0
 if cost <= level then
   allowed = 1
   level = level - cost
+  if level > cap then
+    level = cap
+  end
 end
 if allowed == 1 or repaired == 1 then
   -- Expire one second after the bucket would be full again.

@@ -11,8 +11,10 @@ package remote
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -20,14 +22,34 @@ import (
 	"github.com/hybridlimit/hybridlimit/lua"
 )
 
-// ErrClosed is returned by Take after Close.
-var ErrClosed = errors.New("remote: pipe closed")
+// Errors returned by Pipe methods.
+var (
+	// ErrClosed is returned after Close.
+	ErrClosed = errors.New("remote: pipe closed")
+	// ErrUnanswered is wrapped, together with the context's error, when the
+	// context ended after the call was written to Redis: Redis may still run
+	// it, and take its tokens, when it gets to it.
+	ErrUnanswered = errors.New("remote: sent but unanswered")
+)
 
-// script is the token-bucket script; its Hash is what EVALSHA sends.
-var script = redis.NewScript(lua.TokenBucket)
+// script is a Lua script with its SHA1, which EVALSHA sends.
+type script struct {
+	src, sha string
+}
+
+func newScript(src string) *script {
+	return &script{src: src, sha: redis.NewScript(src).Hash()}
+}
+
+// The scripts.
+var (
+	takeScript   = newScript(lua.TokenBucket)
+	chargeScript = newScript(lua.Charge)
+	fleetScript  = newScript(lua.Fleet)
+)
 
 // Hash returns the SHA1 of the token-bucket script, as EVALSHA uses it.
-func Hash() string { return script.Hash() }
+func Hash() string { return takeScript.sha }
 
 // Defaults for NewPipe.
 const (
@@ -52,13 +74,15 @@ type Pipe struct {
 // on ready (buffered, so it never blocks); a caller that gave up never
 // reads it.
 type call struct {
-	ctx   context.Context
-	key   string
-	lim   Limit
-	n     int64
-	res   Result
-	err   error
-	ready chan struct{}
+	ctx    context.Context
+	script *script
+	key    string
+	lim    Limit
+	n      int64 // tokens to take (takeScript) or units to charge (chargeScript)
+	sent   atomic.Bool
+	res    Result
+	err    error
+	ready  chan struct{}
 }
 
 // NewPipe returns a Pipe that runs the script through c. For a Redis
@@ -92,7 +116,59 @@ func NewPipe(c redis.UniversalClient, workers int) *Pipe {
 // exception is NOSCRIPT, which proves the script did not run: the decision
 // is sent again once with the script's source.
 func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result, error) {
-	c := &call{ctx: ctx, key: key, lim: lim, n: n, ready: make(chan struct{}, 1)}
+	return p.do(&call{ctx: ctx, script: takeScript, key: key, lim: lim, n: n})
+}
+
+// Charge takes units (of 1/lim.P token) from key's bucket, after refilling
+// it, but never below zero and never refusing: it charges the bucket with
+// tokens spent without Redis. The Result has Allowed true and the Level
+// left. Like Take, it is sent once and never retried.
+func (p *Pipe) Charge(ctx context.Context, key string, lim Limit, units int64) (Result, error) {
+	return p.do(&call{ctx: ctx, script: chargeScript, key: key, lim: lim, n: units})
+}
+
+// Spend is tokens spent without Redis, for ChargeAll to charge.
+type Spend struct {
+	Key   string
+	Limit Limit
+	Units int64 // units of 1/Limit.P token
+}
+
+// ChargeAll runs Charge for every spend, all queued at once so that they
+// share pipelines, and waits until each is answered or ctx ends. It returns
+// how many failed.
+func (p *Pipe) ChargeAll(ctx context.Context, charges []Spend) (failed int) {
+	calls := make([]*call, 0, len(charges))
+	for _, ch := range charges {
+		c := &call{ctx: ctx, script: chargeScript, key: ch.Key, lim: ch.Limit, n: ch.Units,
+			ready: make(chan struct{}, 1)}
+		select {
+		case p.calls <- c:
+			calls = append(calls, c)
+		case <-ctx.Done():
+			return failed + len(charges) - len(calls)
+		case <-p.done:
+			return failed + len(charges) - len(calls)
+		}
+	}
+	for _, c := range calls {
+		select {
+		case <-c.ready:
+			if c.err != nil {
+				failed++
+			}
+		case <-ctx.Done():
+			failed++
+		case <-p.done:
+			failed++
+		}
+	}
+	return failed
+}
+
+func (p *Pipe) do(c *call) (Result, error) {
+	ctx := c.ctx
+	c.ready = make(chan struct{}, 1)
 	select {
 	case p.calls <- c:
 	case <-ctx.Done():
@@ -104,6 +180,9 @@ func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result
 	case <-c.ready:
 		return c.res, c.err
 	case <-ctx.Done():
+		if c.sent.Load() {
+			return Result{}, fmt.Errorf("%w: %w", ErrUnanswered, ctx.Err())
+		}
 		return Result{}, ctx.Err()
 	case <-p.done:
 		return Result{}, ErrClosed
@@ -173,12 +252,15 @@ func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
 		defer cancel()
 	}
 
+	for _, c := range live {
+		c.sent.Store(true)
+	}
 	if len(live) == 1 {
 		c := live[0]
-		cmd := evalCmd(ctx, "evalsha", script.Hash(), c)
+		cmd := evalCmd(ctx, "evalsha", c)
 		err := p.c.Process(ctx, cmd)
 		if isNoScript(err) {
-			cmd = evalCmd(ctx, "eval", lua.TokenBucket, c)
+			cmd = evalCmd(ctx, "eval", c)
 			err = p.c.Process(ctx, cmd)
 		}
 		c.finishCmd(cmd, err)
@@ -187,7 +269,7 @@ func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
 
 	cmds := make([]noRetryCmd, len(live))
 	for i, c := range live {
-		cmds[i] = evalCmd(ctx, "evalsha", script.Hash(), c)
+		cmds[i] = evalCmd(ctx, "evalsha", c)
 		_ = pl.Process(ctx, cmds[i])
 	}
 	_, _ = pl.Exec(ctx)
@@ -201,7 +283,7 @@ func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
 		// The node lost its script cache (restart, failover, SCRIPT FLUSH):
 		// EVAL carries the source and loads it again.
 		for _, i := range again {
-			cmds[i] = evalCmd(ctx, "eval", lua.TokenBucket, live[i])
+			cmds[i] = evalCmd(ctx, "eval", live[i])
 			_ = pl.Process(ctx, cmds[i])
 		}
 		_, _ = pl.Exec(ctx)
@@ -212,11 +294,14 @@ func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
 }
 
 func (c *call) finishCmd(cmd noRetryCmd, err error) {
-	if err != nil {
+	switch {
+	case err != nil:
 		c.finish(Result{}, err)
-		return
+	case c.script == chargeScript:
+		c.finish(parseCharge(cmd.Val()))
+	default:
+		c.finish(parseReply(cmd.Val()))
 	}
-	c.finish(parseReply(cmd.Val()))
 }
 
 func (c *call) finish(res Result, err error) {
@@ -231,7 +316,12 @@ type noRetryCmd struct{ *redis.Cmd }
 // NoRetry tells go-redis not to retry the command, whatever MaxRetries says.
 func (noRetryCmd) NoRetry() bool { return true }
 
-func evalCmd(ctx context.Context, verb, script string, c *call) noRetryCmd {
+// evalCmd returns the EVALSHA (or, with verb "eval", the EVAL) of c.
+func evalCmd(ctx context.Context, verb string, c *call) noRetryCmd {
+	script := c.script.sha
+	if verb == "eval" {
+		script = c.script.src
+	}
 	return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key,
 		strconv.FormatInt(c.lim.Q, 10),
 		strconv.FormatInt(c.lim.P, 10),

@@ -275,3 +275,75 @@ func TestNewLimit(t *testing.T) {
 		}
 	}
 }
+
+func TestRefund(t *testing.T) {
+	m, p := newMini(t)
+	lim := mustLimit(t, 1, 5)
+	// A negative n gives tokens back, up to burst.
+	run(t, m, p, "k", lim, []step{
+		{0, 4, true, 1, 0},
+		{0, -2, true, 3, 0},
+		{0, -10, true, 5, 0},
+		{0, 5, true, 0, 0},
+	})
+}
+
+func TestCharge(t *testing.T) {
+	m, p := newMini(t)
+	lim := mustLimit(t, 10, 10)
+	ctx := context.Background()
+	for _, tc := range []struct {
+		at        time.Duration
+		tokens    int64
+		remaining int64
+	}{
+		{0, 3, 7},                      // a fresh bucket is full
+		{0, 20, 0},                     // never below zero, never refused
+		{250 * time.Millisecond, 1, 1}, // refilled 2.5, charged 1
+	} {
+		m.SetTime(t0.Add(tc.at))
+		res, err := p.Charge(ctx, "k", lim, tc.tokens*lim.P)
+		if err != nil || !res.Allowed || res.Level/lim.P != tc.remaining {
+			t.Errorf("Charge(%d) at %v = %+v, %v; want %d left", tc.tokens, tc.at, res, err, tc.remaining)
+		}
+	}
+	// The charged level is what the next decision sees.
+	run(t, m, p, "k", lim, []step{{250 * time.Millisecond, 2, false, 1, 50 * time.Millisecond}})
+}
+
+func TestFleet(t *testing.T) {
+	m, _ := newMini(t)
+	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
+	defer c.Close()
+	ctx := context.Background()
+	beat := func(id string, rate float64) []Member {
+		t.Helper()
+		ms, err := Fleet(ctx, c, "fleet", id, rate, 3*time.Second, 100)
+		if err != nil {
+			t.Fatalf("Fleet(%q) = %v", id, err)
+		}
+		return ms
+	}
+	beat("a", 10)
+	m.SetTime(t0.Add(time.Second))
+	beat("b", 2.5)
+	got := beat("a", 12)
+	if len(got) != 2 {
+		t.Fatalf("fleet = %v; want a and b", got)
+	}
+	rates := map[string]float64{}
+	for _, mb := range got {
+		rates[mb.ID] = mb.Rate
+	}
+	if rates["a"] != 12 || rates["b"] != 2.5 {
+		t.Errorf("fleet rates = %v; want a 12, b 2.5", rates)
+	}
+	// b's heartbeat expires 3 s after it was sent.
+	m.SetTime(t0.Add(4*time.Second + time.Millisecond))
+	if got := beat("a", 1); len(got) != 1 || got[0].ID != "a" {
+		t.Errorf("fleet after b expired = %v; want only a", got)
+	}
+	if ttl := m.TTL("fleet"); ttl != 3*time.Second {
+		t.Errorf("fleet key TTL = %v; want 3s", ttl)
+	}
+}

@@ -1,0 +1,71 @@
+package hybridlimit
+
+import (
+	"time"
+
+	"github.com/hybridlimit/hybridlimit/breaker"
+)
+
+// Observer is told of every decision and every breaker state change, for
+// metrics and logs. Its methods are called on the deciding goroutine,
+// never while the limiter holds a lock; they must be quick and safe for
+// concurrent use. A nil Config.Observer costs nothing.
+type Observer interface {
+	ObserveDecision(DecisionEvent)
+	ObserveBreaker(BreakerEvent)
+}
+
+// DecisionEvent describes one decision. It carries no key: keys are
+// unbounded, labels should not be.
+type DecisionEvent struct {
+	Limiter  string        // Config.Name
+	Mode     Mode          // who decided
+	Allowed  bool          // as returned (true for a shadowed denial)
+	Shadowed bool          // denied by the limit, let through by Config.Shadow
+	N        int64         // tokens asked for
+	Latency  time.Duration // from the call to the decision
+}
+
+// BreakerEvent describes a breaker state change of one Redis node.
+type BreakerEvent struct {
+	Limiter  string // Config.Name
+	Node     string // the node's address
+	From, To string // "closed", "half-open" or "open"
+}
+
+// Stats is a snapshot of a Limiter's state, for gauges.
+type Stats struct {
+	// LocalKeys is how many keys have local state: a local bucket or what
+	// Redis last said of them.
+	LocalKeys int
+	// Breakers maps each Redis node's address to its breaker's state:
+	// "closed", "half-open" or "open".
+	Breakers map[string]string
+	// Fleet is how many live instances the last heartbeat saw (or
+	// Config.Instances before one succeeded), and Weight this instance's
+	// part of every limit while Redis is away.
+	Fleet  int
+	Weight float64
+}
+
+// Stats returns a snapshot of the limiter's state. It takes a lock per
+// local shard, so call it for gauges, not per decision.
+func (lim *Limiter) Stats() Stats {
+	v := lim.view.Load()
+	st := Stats{
+		LocalKeys: lim.shares.Len(),
+		Breakers:  map[string]string{},
+		Fleet:     v.size,
+		Weight:    v.weight,
+	}
+	add := func(nd *node) { st.Breakers[nd.addr] = stateName(nd.cb.State()) }
+	if lim.single != nil {
+		add(lim.single)
+	}
+	for _, nd := range *lim.nodes.Load() {
+		add(nd)
+	}
+	return st
+}
+
+func stateName(s breaker.State) string { return s.String() }

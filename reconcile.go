@@ -1,0 +1,70 @@
+package hybridlimit
+
+import (
+	"context"
+	"math"
+
+	"github.com/hybridlimit/hybridlimit/remote"
+)
+
+// reconciler charges Redis, when a node's breaker closes, with what this
+// instance spent on its local shares of that node's keys while the node was
+// away. Meanwhile the node's buckets refilled in Redis time; without the
+// charge, the first second back could grant a full burst on top of what the
+// local shares just spent.
+func (lim *Limiter) reconciler() {
+	defer lim.wg.Done()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		// Close ends a charge in flight.
+		select {
+		case <-lim.done:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	for {
+		select {
+		case nd := <-lim.healed:
+			lim.reconcile(ctx, nd)
+		case <-lim.done:
+			return
+		}
+	}
+}
+
+// reconcile charges nd with the local spending on its keys, one script
+// call per key, sent together so that the node's pipe batches them.
+func (lim *Limiter) reconcile(ctx context.Context, nd *node) {
+	var match func(key string) bool
+	if lim.cluster != nil {
+		match = func(key string) bool {
+			c, err := lim.cluster.MasterForKey(ctx, lim.cfg.Prefix+key)
+			return err == nil && c.Options().Addr == nd.addr
+		}
+	}
+	var charges []remote.Spend
+	lim.shares.Drain(lim.cfg.now(), match, func(key string, spent float64) {
+		l, err := lim.limitFor(key)
+		if err != nil {
+			return
+		}
+		rl, err := lim.remoteLimit(l)
+		if err != nil {
+			return
+		}
+		charges = append(charges, remote.Spend{
+			Key: lim.cfg.Prefix + key, Limit: rl, Units: int64(math.Round(spent * float64(rl.P))),
+		})
+	})
+	if len(charges) == 0 {
+		return
+	}
+	// Each charge gets the decision budget; they are sent together.
+	cctx, cancel := context.WithTimeout(ctx, lim.cfg.Timeout*4)
+	defer cancel()
+	failed := nd.pipe.ChargeAll(cctx, charges)
+	lim.cfg.Logger.Info("hybridlimit: charged Redis for local spending",
+		"limiter", lim.cfg.Name, "node", nd.addr, "keys", len(charges), "failed", failed)
+}

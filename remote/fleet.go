@@ -1,0 +1,54 @@
+package remote
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Member is one live instance of a limiter group.
+type Member struct {
+	ID   string
+	Rate float64 // its recent decisions per second
+}
+
+// Fleet records one heartbeat of instance id, deciding at rate per second,
+// in the fleet hash at key, and returns the live members, id included.
+// A heartbeat counts for ttl; the hash keeps at most most members. Like
+// Take, the call is never retried but for NOSCRIPT. Fleet waits as long as
+// the client does: call it from a goroutine that may wait.
+func Fleet(ctx context.Context, c redis.UniversalClient, key, id string, rate float64, ttl time.Duration, most int) ([]Member, error) {
+	args := func(verb, script string) noRetryCmd {
+		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, key, id,
+			strconv.FormatFloat(rate, 'g', 6, 64),
+			strconv.FormatInt(ttl.Milliseconds(), 10),
+			strconv.Itoa(most))}
+	}
+	cmd := args("evalsha", fleetScript.sha)
+	err := c.Process(ctx, cmd)
+	if isNoScript(err) {
+		cmd = args("eval", fleetScript.src)
+		err = c.Process(ctx, cmd)
+	}
+	if err != nil {
+		return nil, err
+	}
+	vals, ok := cmd.Val().([]any)
+	if !ok || len(vals)%2 != 0 {
+		return nil, fmt.Errorf("%w: fleet reply %T", ErrReply, cmd.Val())
+	}
+	members := make([]Member, 0, len(vals)/2)
+	for i := 0; i < len(vals); i += 2 {
+		id, ok1 := vals[i].(string)
+		r, ok2 := vals[i+1].(string)
+		f, err := strconv.ParseFloat(r, 64)
+		if !ok1 || !ok2 || err != nil || !(f >= 0) {
+			return nil, fmt.Errorf("%w: fleet member %v %v", ErrReply, vals[i], vals[i+1])
+		}
+		members = append(members, Member{ID: id, Rate: f})
+	}
+	return members, nil
+}
