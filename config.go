@@ -25,7 +25,11 @@ const (
 	// open a node's breaker.
 	DefaultBreakerFailures = 5
 	// DefaultBreakerOpenFor is how long a breaker stays open before a probe.
-	DefaultBreakerOpenFor = time.Second
+	// Probes are sent by a background goroutine, never by a decision, so a
+	// short period costs callers nothing; it bounds how long an instance
+	// keeps deciding locally after Redis is back, while other instances
+	// may already be back on the shared bucket.
+	DefaultBreakerOpenFor = 250 * time.Millisecond
 	// DefaultBreakerJitter lengthens each open period by a random fraction
 	// of up to 20%, so a fleet opened by one outage does not probe at once.
 	DefaultBreakerJitter = 0.2
@@ -153,8 +157,11 @@ type Config struct {
 
 	// now is the clock of the local buckets; nil means time.Now. Tests set it.
 	now func() time.Time
-	// noCache turns off answering denials from what Redis said. Tests set it.
-	noCache bool
+	// noCache turns off answering denials from what Redis said; noHandoff
+	// stops recording what Redis said (so local buckets start full and no
+	// denial is cached); noReconcile stops charging Redis for local
+	// spending. The accuracy tests set them to measure each mechanism.
+	noCache, noHandoff, noReconcile bool
 }
 
 // Errors returned by New and Limiter methods. Test for them with errors.Is.

@@ -126,12 +126,19 @@ type Limiter struct {
 
 type nodeMap = map[string]*node
 
-// node is one Redis node (one master of a Cluster): its breaker and the
-// pipe its decisions go through.
+// node is one Redis node (one master of a Cluster): its breaker, the pipe
+// its decisions go through, and the key the prober sends probes to.
 type node struct {
-	addr string
-	cb   *breaker.Breaker
-	pipe *remote.Pipe
+	addr  string
+	cb    *breaker.Breaker
+	pipe  *remote.Pipe
+	probe atomic.Pointer[probe] // the last key that failed; set before the breaker opens
+}
+
+// probe is a key the node owns and its limit: a probe charges it nothing.
+type probe struct {
+	key string
+	rl  remote.Limit
 }
 
 // sweepEvery is how often idle full local buckets are dropped.
@@ -141,8 +148,9 @@ const sweepEvery = 10 * time.Second
 // names the offending field.
 //
 // New starts a few goroutines per Redis node, which send decisions, one
-// that drops idle local buckets, one that charges Redis for local spending
-// when a node's breaker closes, and one that sends the fleet heartbeat;
+// that drops idle local buckets, one that probes nodes whose breaker is
+// open, one that charges Redis for local spending when a node's breaker
+// closes, and one that sends the fleet heartbeat;
 // Close stops them and waits for them to return. New does not talk to
 // Redis: the first decision loads the script.
 func New(cfg Config) (*Limiter, error) {
@@ -171,9 +179,10 @@ func New(cfg Config) (*Limiter, error) {
 		}
 		lim.single = lim.newNode(name)
 	}
-	lim.wg.Add(2)
+	lim.wg.Add(3)
 	go lim.sweep()
 	go lim.reconciler()
+	go lim.prober()
 	if cfg.Heartbeat > 0 {
 		lim.wg.Add(1)
 		go lim.heartbeat()
@@ -274,7 +283,7 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 		return Decision{}, err
 	}
 	start := time.Now()
-	d, err := lim.decide(ctx, key, n, l, start)
+	d, err := lim.decide(ctx, key, n, l)
 	if err != nil {
 		return Decision{}, err
 	}
@@ -293,7 +302,7 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 
 // decide makes the decision: from what Redis said of the key, by Redis, or
 // by the failure policy.
-func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit, start time.Time) (Decision, error) {
+func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit) (Decision, error) {
 	rkey := lim.cfg.Prefix + key
 	rctx, cancel := context.WithTimeout(ctx, lim.cfg.Timeout)
 	defer cancel()
@@ -310,9 +319,16 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit, st
 	}
 	if nd.cb.State() != breaker.StateOpen {
 		lim.count.Add(1)
-		if d, ok := lim.cached(key, n, l); ok && !lim.cfg.noCache {
-			return d, nil
+		if !lim.cfg.noCache {
+			if d, ok := lim.cached(key, n, l); ok {
+				return d, nil
+			}
 		}
+	}
+	// While the breaker is not closed, only the prober talks to the node:
+	// no decision waits on a probe.
+	if nd.cb.State() != breaker.StateClosed {
+		return lim.fallback(key, n, l, nd), nil
 	}
 	done, ok := nd.cb.Allow()
 	if !ok {
@@ -323,6 +339,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit, st
 		done(nil)
 		return Decision{}, err
 	}
+	sent := lim.cfg.now()
 	res, err := nd.pipe.Take(rctx, rkey, rl, n)
 	switch {
 	case err == nil:
@@ -330,7 +347,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit, st
 		if res.Repaired {
 			lim.cfg.Logger.Warn("hybridlimit: replaced a foreign value with a full bucket", "key", rkey)
 		}
-		lim.observe(start, key, rl, res.Level)
+		lim.observe(sent, key, rl, res.Level)
 		return Decision{
 			Allowed:    res.Allowed,
 			Remaining:  res.Level / rl.P,
@@ -343,7 +360,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit, st
 		return Decision{}, ErrClosed
 	}
 	if errors.Is(err, remote.ErrUnanswered) {
-		lim.shares.Unanswered(start, key, float64(n))
+		lim.shares.Unanswered(sent, key, float64(n))
 	}
 	if callerEnded(ctx, rctx, err) {
 		// The caller's own context ended: not Redis's fault.
@@ -357,16 +374,19 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit, st
 		lim.cfg.Logger.Error("hybridlimit: remote decision failed", "key", rkey, "err", err)
 		return lim.fallback(key, n, l, nd), nil
 	}
+	nd.probe.Store(&probe{key: rkey, rl: rl})
 	done(err)
 	return lim.fallback(key, n, l, nd), nil
 }
 
-// observe records what Redis said of key at start: level units of 1/rl.P
+// observe records what Redis said of key at sent: level units of 1/rl.P
 // token. The local bucket starts from it if Redis fails, and cached answers
 // denials from it.
-func (lim *Limiter) observe(start time.Time, key string, rl remote.Limit, level int64) {
-	capacity := float64(rl.Burst) * float64(rl.P)
-	lim.shares.Observe(start, key, float64(level)/capacity, rl.Rate()/float64(rl.Burst))
+func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, level int64) {
+	if lim.cfg.noHandoff {
+		return
+	}
+	lim.shares.Observe(sent, key, rl.Tokens(level), rl.Rate(), float64(rl.Burst))
 }
 
 // cached answers a decision that Redis would deny, from what Redis last
@@ -378,32 +398,38 @@ func (lim *Limiter) observe(start time.Time, key string, rl remote.Limit, level 
 // A Refund by another instance, or a raised limit, can make the bucket
 // hold more than that bound; the error lasts at most one RetryAfter.
 func (lim *Limiter) cached(key string, n int64, l Limit) (Decision, bool) {
-	frac, fill, at, ok := lim.shares.Seen(key)
-	if !ok {
+	tokens, r, at, ok := lim.shares.Seen(key)
+	if !ok || r > l.Rate {
+		// The limit was lowered since: Redis refilled faster meanwhile.
 		return Decision{}, false
 	}
-	now := time.Now()
-	frac = math.Min(1, frac+fill*now.Sub(at).Seconds())
-	tokens := frac * float64(l.Burst)
-	if tokens >= float64(n) {
+	rl, err := lim.remoteLimit(l)
+	if err != nil {
+		return Decision{}, false
+	}
+	// In the script's fixed point, so that the answer is Redis's to the
+	// microsecond: units of 1/P token, Q units a microsecond.
+	capacity := rl.Burst * rl.P
+	units := min(int64(math.Round(tokens*float64(rl.P))), capacity)
+	us := int64(lim.cfg.now().Sub(at) / time.Microsecond)
+	if us > (capacity-units)/rl.Q {
+		return Decision{}, false // full again
+	}
+	units += us * rl.Q
+	if units >= n*rl.P {
 		return Decision{}, false
 	}
 	return Decision{
-		Remaining:  int64(tokens),
-		RetryAfter: seconds((float64(n) - tokens) / l.Rate),
-		ResetAfter: seconds((float64(l.Burst) - tokens) / l.Rate),
+		Remaining:  units / rl.P,
+		RetryAfter: ceilMicros(n*rl.P-units, rl.Q),
+		ResetAfter: ceilMicros(capacity-units, rl.Q),
 		Mode:       ModeRemote,
 	}, true
 }
 
-// seconds converts seconds to a Duration, rounding up to the microsecond
-// as the script does.
-func seconds(s float64) time.Duration {
-	us := math.Ceil(s * 1e6)
-	if us >= math.MaxInt64/1000 {
-		return math.MaxInt64
-	}
-	return time.Duration(us) * time.Microsecond
+// ceilMicros returns ceil(units/q) microseconds, as the script computes it.
+func ceilMicros(units, q int64) time.Duration {
+	return time.Duration((units+q-1)/q) * time.Microsecond
 }
 
 // callerEnded reports whether err comes from the caller's context ending

@@ -36,7 +36,21 @@ func (lim *Limiter) reconciler() {
 
 // reconcile charges nd with the local spending on its keys, one script
 // call per key, sent together so that the node's pipe batches them.
+//
+// Each instance knows only its own spending, and instances come back one
+// by one, each at its own next probe. So each charges what the whole fleet
+// would have spent at its pace: its own spending divided by its share of
+// the limit, up to the burst. The first instance back thus brings the
+// bucket down to about what the fleet left in it, rather than leaving it
+// full for itself while the others still spend their local shares; those
+// that follow charge a bucket that is about empty already, and the script
+// never takes it below zero. The error is on the side of refusing: the
+// bucket may hold a little less than the fleet really left in it.
 func (lim *Limiter) reconcile(ctx context.Context, nd *node) {
+	if lim.cfg.noReconcile {
+		return
+	}
+	w := lim.view.Load().weight
 	var match func(key string) bool
 	if lim.cluster != nil {
 		match = func(key string) bool {
@@ -54,8 +68,9 @@ func (lim *Limiter) reconcile(ctx context.Context, nd *node) {
 		if err != nil {
 			return
 		}
+		fleet := math.Min(spent/w, float64(l.Burst))
 		charges = append(charges, remote.Spend{
-			Key: lim.cfg.Prefix + key, Limit: rl, Units: int64(math.Round(spent * float64(rl.P))),
+			Key: lim.cfg.Prefix + key, Limit: rl, Units: int64(math.Round(fleet * float64(rl.P))),
 		})
 	})
 	if len(charges) == 0 {

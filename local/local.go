@@ -56,8 +56,8 @@ type Shares struct {
 
 // shard is one part of the key space.
 type shard struct {
-	mu  sync.Mutex // protects m and every field of its entries
-	m   map[string]*bucket
+	mu    sync.Mutex // protects m and every field of its entries
+	m     map[string]*bucket
 	max   int        // most entries m may hold; at least 1
 	epoch *time.Time // the Shares' epoch
 
@@ -82,11 +82,10 @@ type bucket struct {
 	// as much.
 	unanswered float64
 
-	// frac is the part of the key's burst that Redis reported at time
-	// seen (zero: never), and fill the part it refills per second.
-	frac float64
-	fill float64
-	seen mono
+	// tokens is what Redis reported the key's bucket held at time seen
+	// (zero: never), rate what it refills per second and size its burst.
+	tokens, rate, size float64
+	seen               mono
 }
 
 // mono is a time as nanoseconds since the Shares' epoch, on the monotonic
@@ -237,24 +236,24 @@ func newLimiter(at time.Time, r rate.Limit, burst int, tokens float64) *rate.Lim
 	return lim
 }
 
-// Observe records what Redis said of key: the bucket held frac of its
-// burst at time at, and refills fill of its burst per second. A later
-// AllowN that needs a local bucket starts it from there, refilled since,
+// Observe records what Redis said of key: its bucket of the given burst,
+// refilling rate tokens per second, held tokens at time at. A later AllowN
+// that needs a local bucket starts it from the same part of its own burst,
+// refilled since,
 // instead of full: the hand-off from Redis to local does not forget what
 // was spent. Time at must be a local monotonic time no later than when
 // Redis decided, such as when the request was sent.
-func (s *Shares) Observe(at time.Time, key string, frac, fill float64) {
+func (s *Shares) Observe(at time.Time, key string, tokens, rate, burst float64) {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	b := sh.entry(at, key)
-	b.frac, b.fill, b.seen = frac, fill, s.mono(at)
+	b.tokens, b.rate, b.size, b.seen = tokens, rate, burst, s.mono(at)
 	sh.mu.Unlock()
 }
 
-// Seen returns what Observe last recorded for key: the part of the burst
-// Redis reported, the part it refills per second, and when. ok is false if
-// nothing was observed.
-func (s *Shares) Seen(key string) (frac, fill float64, at time.Time, ok bool) {
+// Seen returns what Observe last recorded for key: the tokens Redis
+// reported, its rate, and when. ok is false if nothing was observed.
+func (s *Shares) Seen(key string) (tokens, rate float64, at time.Time, ok bool) {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -262,7 +261,7 @@ func (s *Shares) Seen(key string) (frac, fill float64, at time.Time, ok bool) {
 	if b == nil || b.seen == 0 {
 		return 0, 0, time.Time{}, false
 	}
-	return b.frac, b.fill, s.time(b.seen), true
+	return b.tokens, b.rate, s.time(b.seen), true
 }
 
 // Unanswered records that a decision of n tokens for key was sent to Redis
@@ -385,7 +384,7 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int) *rate.L
 		// said nothing, or if that is too old to matter.
 		b.seed, b.seedAt = float64(burst), s.mono(now)
 		if b.seen != 0 {
-			b.seed, b.seedAt = clamp(b.frac*float64(burst), burst), b.seen
+			b.seed, b.seedAt = clamp(b.tokens/b.size*float64(burst), burst), b.seen
 		}
 		b.lim, b.r, b.burst = newLimiter(s.time(b.seedAt), r, burst, b.seed), r, burst
 		return b.lim
@@ -462,7 +461,7 @@ func (b *bucket) full(now time.Time, epoch time.Time) bool {
 	if b.lim != nil && b.r != rate.Inf && b.lim.TokensAt(now) < float64(b.burst) {
 		return false
 	}
-	return b.seen == 0 || b.frac+b.fill*now.Sub(epoch.Add(time.Duration(b.seen))).Seconds() >= 1
+	return b.seen == 0 || b.tokens+b.rate*now.Sub(epoch.Add(time.Duration(b.seen))).Seconds() >= b.size
 }
 
 // clean maps rates and bursts that x/time/rate mishandles onto ones it

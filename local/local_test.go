@@ -486,18 +486,18 @@ func BenchmarkAllowNNewKeys(b *testing.B) {
 // key, refilled since, instead of full.
 func TestObserveSeeds(t *testing.T) {
 	s := New(100)
-	// Redis said the key held 20% of its burst of 100 (20 tokens) at t0,
-	// refilling 10% of the burst per second (10/s). This instance holds a
-	// third: 33 tokens, 3.33/s, so its bucket starts at 6.67 at t0.
-	s.Observe(t0, "k", 0.2, 0.1)
-	if frac, fill, at, ok := s.Seen("k"); !ok || frac != 0.2 || fill != 0.1 || !at.Equal(t0) {
-		t.Errorf("Seen = %v, %v, %v, %v; want 0.2, 0.1, t0, true", frac, fill, at, ok)
+	// Redis said the key held 20 of its 100 tokens at t0, refilling 10/s.
+	// This instance holds a third: 33 tokens, 3.33/s, so its bucket starts
+	// at 6.6 at t0 (20% of 33).
+	s.Observe(t0, "k", 20, 10, 100)
+	if tokens, r, at, ok := s.Seen("k"); !ok || tokens != 20 || r != 10 || !at.Equal(t0) {
+		t.Errorf("Seen = %v, %v, %v, %v; want 20, 10, t0, true", tokens, r, at, ok)
 	}
 	if _, _, _, ok := s.Seen("other"); ok {
 		t.Errorf("Seen(other) = ok; want nothing observed")
 	}
 	r := rate.Limit(100.0 / 3)
-	// 300 ms later it holds 6.67 + 10 = 16.67 tokens.
+	// 300 ms later it holds 6.6 + 10 = 16.6 tokens.
 	got := s.AllowN(t0.Add(300*ms), "k", r, 33, 16)
 	if !got.Allowed || got.Remaining != 0 {
 		t.Errorf("AllowN(16) after the hand-off = %+v; want allowed, 0 left", got)
@@ -512,13 +512,13 @@ func TestObserveSeeds(t *testing.T) {
 func TestDrain(t *testing.T) {
 	s := New(100)
 	r := rate.Limit(10)
-	s.Observe(t0, "a", 0.5, 1) // 5 of 10 tokens
+	s.Observe(t0, "a", 5, 10, 10) // 5 of 10 tokens
 	s.AllowN(t0, "a", r, 10, 4)
-	s.AllowN(t0, "b", r, 10, 10) // starts full: spends 10
-	s.Unanswered(t0, "b", 3)     // of which Redis may have taken 3
-	s.AllowN(t0, "c", r, 10, 2)  // not matched
-	s.Observe(t0, "d", 0.5, 1)   // observed only: nothing to charge
-	at := t0.Add(200 * ms)       // 2 tokens refilled since t0
+	s.AllowN(t0, "b", r, 10, 10)  // starts full: spends 10, 2 refilled by at
+	s.Unanswered(t0, "b", 3)      // and Redis may have taken 3 more
+	s.AllowN(t0, "c", r, 10, 2)   // not matched
+	s.Observe(t0, "d", 5, 10, 10) // observed only: nothing to charge
+	at := t0.Add(200 * ms)        // 2 tokens refilled since t0
 	got := map[string]float64{}
 	s.Drain(at, func(key string) bool { return key != "c" }, func(key string, spent float64) {
 		got[key] = spent

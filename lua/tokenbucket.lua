@@ -12,11 +12,13 @@
 -- integer below 2^53, which Lua's doubles hold exactly; the client checks
 -- burst * p against that bound before it calls.
 --
--- The value is the string "<level> <time>", time in microseconds of Redis TIME:
--- client clocks are never read. A denial writes nothing: the stored state
--- already implies the refilled level, so the TTL set by the last write stays
--- right. A value that is not ours (another type, or a string we cannot read)
--- is replaced by a full bucket and reported.
+-- The value is the string "<level> <time> <p>", time in microseconds of
+-- Redis TIME (client clocks are never read), and p the units per token the
+-- level was written in, so that a changed limit keeps the tokens. A denial
+-- writes nothing: the stored state already implies the refilled level, so
+-- the TTL set by the last write stays right. A value that is not ours
+-- (another type, or a string we cannot read) is replaced by a full bucket
+-- and reported.
 --
 -- Returns {allowed, level, retry_after_us, reset_after_us, repaired, now_us}.
 
@@ -31,14 +33,22 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
 local level = cap
 local repaired = 0
+local converted = false
 local raw = redis.pcall('GET', key)
 if type(raw) == 'table' and raw.err then
   repaired = 1
   redis.call('DEL', key)
 elseif raw then
-  local l, s = string.match(raw, '^(%d+) (%d+)$')
+  local l, s, lp = string.match(raw, '^(%d+) (%d+) (%d+)$')
   if l then
+    -- A level written under another limit is converted to this one's
+    -- units: the tokens are kept, a fraction of a unit may be lost.
     level = tonumber(l)
+    lp = tonumber(lp)
+    if lp ~= p then
+      level = math.floor(level * p / lp)
+      converted = true
+    end
     local elapsed = now - tonumber(s)
     -- A clock that went back (failover to a replica) refills nothing.
     if elapsed > 0 then
@@ -67,10 +77,11 @@ if cost <= level then
     level = cap
   end
 end
-if allowed == 1 or repaired == 1 then
-  -- Expire one second after the bucket would be full again.
+if allowed == 1 or repaired == 1 or converted then
+  -- Expire one second after the bucket would be full again (a converted
+  -- level is written back so that its TTL follows the new limit).
   local ttl = math.ceil((cap - level) / q / 1000) + 1000
-  redis.call('SET', key, string.format('%.0f %.0f', level, now), 'PX', ttl)
+  redis.call('SET', key, string.format('%.0f %.0f %.0f', level, now, p), 'PX', ttl)
 end
 if allowed == 0 then
   if cost > cap then

@@ -1,0 +1,370 @@
+package hybridlimit
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
+)
+
+// fakeClock drives miniredis's TIME and the limiter's local clock together.
+type fakeClock struct {
+	mu  sync.Mutex
+	now time.Time
+	m   *miniredis.Miniredis
+}
+
+func newFakeClock(m *miniredis.Miniredis) *fakeClock {
+	c := &fakeClock{now: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC), m: m}
+	m.SetTime(c.now)
+	return c
+}
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *fakeClock) Add(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(d)
+	c.m.SetTime(c.now)
+}
+
+// TestCachedDenialsMatchRedis: answering denials from what Redis said gives
+// exactly the answers Redis gives, on a key offered far more than its limit.
+func TestCachedDenialsMatchRedis(t *testing.T) {
+	m, c := miniClient(t)
+	clock := newFakeClock(m)
+	limit := Limit{Rate: 10, Burst: 5}
+	cached := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "cached:", now: clock.Now, Heartbeat: -1})
+	direct := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "direct:", now: clock.Now, Heartbeat: -1, noCache: true})
+	ctx := context.Background()
+	var allowed int
+	for i := range 2000 {
+		n := int64(1 + i%3)
+		a, err1 := cached.AllowN(ctx, "k", n)
+		b, err2 := direct.AllowN(ctx, "k", n)
+		if err1 != nil || err2 != nil || a.Allowed != b.Allowed || a.Remaining != b.Remaining ||
+			a.RetryAfter != b.RetryAfter || a.ResetAfter != b.ResetAfter {
+			t.Fatalf("decision %d (n=%d): cached %+v, %v; Redis %+v, %v", i, n, a, err1, b, err2)
+		}
+		if a.Allowed {
+			allowed++
+		}
+		clock.Add(7 * time.Millisecond) // 2000 × 7 ms = 14 s at 10/s
+	}
+	if allowed < 100 || allowed > 150 {
+		t.Errorf("allowed %d of 2000 over 14 s at 10/s with burst 5; want about 140", allowed)
+	}
+}
+
+// TestCachedDenialsSpareRedis: under abuse (one key offered 100 times its
+// limit from 3 instances), Redis sees about one call per allowed token plus
+// one per RetryAfter per instance, instead of every attempt.
+func TestCachedDenialsSpareRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	calls := func() int64 {
+		info := srv.Do(t, "INFO", "commandstats").(string)
+		for _, line := range strings.Split(info, "\r\n") {
+			if rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:calls="); ok {
+				n, _ := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
+				return n
+			}
+		}
+		return 0
+	}
+	for _, cache := range []bool{true, false} {
+		srv.Do(t, "CONFIG", "RESETSTAT")
+		var lims []*Limiter
+		for range 3 {
+			lims = append(lims, newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(20),
+				Timeout: time.Second, Heartbeat: -1, noCache: !cache, Prefix: "abuse" + strconv.FormatBool(cache)}))
+		}
+		var attempts, allowed atomic.Int64
+		deadline := time.Now().Add(time.Second)
+		var wg sync.WaitGroup
+		for _, lim := range lims {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for time.Now().Before(deadline) {
+					d, err := lim.Allow(context.Background(), "k")
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					attempts.Add(1)
+					if d.Allowed {
+						allowed.Add(1)
+					}
+					time.Sleep(time.Millisecond) // about 2000 attempts/s: 100x the limit
+				}
+			}()
+		}
+		wg.Wait()
+		got := calls()
+		t.Logf("cache %v: %d attempts, %d allowed, %d script calls in Redis", cache, attempts.Load(), allowed.Load(), got)
+		if cache {
+			// One call per allowed token, plus one per RetryAfter (50 ms)
+			// per instance: 3 × 20 = 60 over the second; allow double.
+			if limit := allowed.Load() + 2*60; got > limit {
+				t.Errorf("with the cache Redis ran %d scripts for %d allowed; want at most %d", got, allowed.Load(), limit)
+			}
+		} else if got < attempts.Load() {
+			t.Errorf("without the cache Redis ran %d scripts for %d attempts; want every attempt", got, attempts.Load())
+		}
+	}
+}
+
+// TestSetLimit: the Redis bucket takes a new limit on its next decision and
+// keeps its level; a smaller burst caps it. The local share follows.
+func TestSetLimit(t *testing.T) {
+	m, c := miniClient(t)
+	clock := newFakeClock(m)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), now: clock.Now, Heartbeat: -1})
+	ctx := context.Background()
+	if d, _ := lim.AllowN(ctx, "k", 4); d.Remaining != 6 {
+		t.Fatalf("AllowN(4) = %+v; want 6 left", d)
+	}
+	if err := lim.SetLimit(PerSecond(100)); err != nil {
+		t.Fatal(err)
+	}
+	// Same level (6 of the old 10), now out of a burst of 100.
+	if d, _ := lim.AllowN(ctx, "k", 1); !d.Allowed || d.Remaining != 5 || d.Limit != PerSecond(100) {
+		t.Errorf("AllowN after raising the limit = %+v; want 5 left of PerSecond(100)", d)
+	}
+	clock.Add(100 * time.Millisecond) // +10 at 100/s
+	if err := lim.SetLimit(PerSecond(3)); err != nil {
+		t.Fatal(err)
+	}
+	if d, _ := lim.AllowN(ctx, "k", 1); !d.Allowed || d.Remaining != 2 {
+		t.Errorf("AllowN after lowering the burst to 3 = %+v; want 15 capped to 3, 2 left", d)
+	}
+	for _, bad := range []Limit{{}, {Rate: -1, Burst: 1}, {Rate: 1, Burst: 0}} {
+		if err := lim.SetLimit(bad); !errors.Is(err, ErrInvalidLimit) {
+			t.Errorf("SetLimit(%v) = %v; want ErrInvalidLimit", bad, err)
+		}
+	}
+	if lim.Limit() != PerSecond(3) {
+		t.Errorf("Limit() = %v after rejected SetLimits; want PerSecond(3)", lim.Limit())
+	}
+}
+
+// TestLimitFor: each key gets its tier's limit, remote and local alike;
+// a bad limit from LimitFor is an error, never a panic.
+func TestLimitFor(t *testing.T) {
+	tiers := func(key string) Limit {
+		switch {
+		case strings.HasPrefix(key, "pro:"):
+			return PerSecond(50)
+		case strings.HasPrefix(key, "bad:"):
+			return Limit{Rate: -1, Burst: 1}
+		}
+		return Limit{} // the default
+	}
+	m, c := miniClient(t)
+	clock := newFakeClock(m) // stands still: no refill
+	dead := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer dead.Close()
+	for _, tc := range []struct {
+		client redis.UniversalClient
+		mode   Mode
+	}{{c, ModeRemote}, {dead, ModeLocal}} {
+		lim := newLimiter(t, Config{Redis: tc.client, Limit: PerSecond(5), LimitFor: tiers, Heartbeat: -1, now: clock.Now})
+		ctx := context.Background()
+		for _, k := range []struct {
+			key  string
+			want int
+		}{{"free:1", 5}, {"pro:1", 50}} {
+			got := 0
+			for range 100 {
+				d, err := lim.Allow(ctx, k.key)
+				if err != nil || d.Mode != tc.mode {
+					t.Fatalf("Allow(%q) = %+v, %v; want %v", k.key, d, err, tc.mode)
+				}
+				if d.Allowed {
+					got++
+				}
+			}
+			if got != k.want {
+				t.Errorf("%v: %q allowed %d of 100; want its burst %d", tc.mode, k.key, got, k.want)
+			}
+		}
+		if _, err := lim.Allow(ctx, "bad:1"); !errors.Is(err, ErrInvalidLimit) {
+			t.Errorf("Allow with a bad LimitFor limit = %v; want ErrInvalidLimit", err)
+		}
+		if _, err := lim.AllowN(ctx, "pro:2", 51); !errors.Is(err, ErrInvalidN) {
+			t.Errorf("AllowN(51) over a pro burst of 50 = %v; want ErrInvalidN", err)
+		}
+	}
+}
+
+// TestShadow: nothing is denied, but what would be is reported.
+func TestShadow(t *testing.T) {
+	_, c := miniClient(t)
+	obs := &countingObserver{}
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(3), Shadow: true, Observer: obs, Heartbeat: -1})
+	shadowed := 0
+	for range 10 {
+		d, err := lim.Allow(context.Background(), "k")
+		if err != nil || !d.Allowed {
+			t.Fatalf("Allow in shadow mode = %+v, %v; want allowed", d, err)
+		}
+		if d.Shadowed {
+			shadowed++
+			if d.RetryAfter <= 0 {
+				t.Errorf("shadowed decision %+v; want the RetryAfter a denial would have", d)
+			}
+		}
+	}
+	if shadowed != 7 || obs.shadowed.Load() != 7 || obs.decisions.Load() != 10 {
+		t.Errorf("shadowed %d, observed %d of %d; want 7, 7 of 10", shadowed, obs.shadowed.Load(), obs.decisions.Load())
+	}
+}
+
+type countingObserver struct {
+	decisions, allowed, shadowed, breaker atomic.Int64
+	mu                                    sync.Mutex
+	modes                                 map[Mode]int
+	transitions                           []string
+}
+
+func (o *countingObserver) ObserveDecision(e DecisionEvent) {
+	o.decisions.Add(1)
+	if e.Allowed {
+		o.allowed.Add(1)
+	}
+	if e.Shadowed {
+		o.shadowed.Add(1)
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.modes == nil {
+		o.modes = map[Mode]int{}
+	}
+	o.modes[e.Mode]++
+}
+
+func (o *countingObserver) ObserveBreaker(e BreakerEvent) {
+	o.breaker.Add(1)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.transitions = append(o.transitions, e.From+"->"+e.To)
+}
+
+// TestObserverAndStats: the observer sees every decision with its mode and
+// every breaker change; Stats reports the breaker and the local keys.
+func TestObserverAndStats(t *testing.T) {
+	srv := redistest.Start(t)
+	obs := &countingObserver{}
+	lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(1000), Observer: obs,
+		Timeout: 20 * time.Millisecond, Heartbeat: -1, Name: "api"})
+	ctx := context.Background()
+	for range 5 {
+		lim.Allow(ctx, "k")
+	}
+	srv.Pause(t)
+	for i := range 20 {
+		lim.Allow(ctx, "p"+strconv.Itoa(i))
+	}
+	st := lim.Stats()
+	srv.Resume(t)
+	if obs.decisions.Load() != 25 || obs.modes[ModeRemote] != 5 || obs.modes[ModeLocal] != 20 {
+		t.Errorf("observed %d decisions, modes %v; want 25: 5 remote, 20 local", obs.decisions.Load(), obs.modes)
+	}
+	if len(obs.transitions) == 0 || obs.transitions[0] != "closed->open" {
+		t.Errorf("breaker transitions %v; want closed->open first", obs.transitions)
+	}
+	if st.Breakers[srv.Addr()] != "open" || st.LocalKeys < 20 || st.Fleet != 1 || st.Weight != 1 {
+		t.Errorf("Stats = %+v; want the breaker open, >= 20 local keys, fleet 1, weight 1", st)
+	}
+}
+
+// TestWaitHoldsTheLimit: workers on several instances that Wait for their
+// turn together get no more than the limit.
+func TestWaitHoldsTheLimit(t *testing.T) {
+	srv := redistest.Start(t)
+	const rate, burst = 50, 5
+	start := time.Now()
+	var granted atomic.Int64
+	var wg sync.WaitGroup
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	for range 3 {
+		lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: Limit{Rate: rate, Burst: burst},
+			Timeout: time.Second, Heartbeat: -1})
+		for range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					if err := lim.Wait(ctx, "jobs"); err != nil {
+						if !errors.Is(err, context.DeadlineExceeded) {
+							t.Errorf("Wait = %v", err)
+						}
+						return
+					}
+					granted.Add(1)
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	elapsed := time.Since(start).Seconds()
+	most := int64(burst + rate*elapsed + 1)
+	t.Logf("12 workers on 3 instances: %d granted in %.2fs (limit allows %d)", granted.Load(), elapsed, most)
+	if g := granted.Load(); g > most || g < most*8/10 {
+		t.Errorf("granted %d in %.2fs; want at most %d and not far below", g, elapsed, most)
+	}
+}
+
+// TestWaitRespectsContext: a deadline too short for the wait ends it early.
+func TestWaitRespectsContext(t *testing.T) {
+	_, c := miniClient(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: Limit{Rate: 0.1, Burst: 1}, Heartbeat: -1})
+	if err := lim.Wait(context.Background(), "k"); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	if err := lim.Wait(ctx, "k"); !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 50*time.Millisecond {
+		t.Errorf("Wait for 10 s with 100 ms left = %v after %v; want DeadlineExceeded at once", err, time.Since(start))
+	}
+}
+
+// TestRefund gives tokens back to the path that granted them.
+func TestRefund(t *testing.T) {
+	_, c := miniClient(t)
+	dead := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer dead.Close()
+	for _, client := range []redis.UniversalClient{c, dead} {
+		lim := newLimiter(t, Config{Redis: client, Limit: PerSecond(3), Heartbeat: -1, noCache: true})
+		ctx := context.Background()
+		d, err := lim.AllowN(ctx, "k", 3)
+		if err != nil || !d.Allowed {
+			t.Fatalf("AllowN(3) = %+v, %v", d, err)
+		}
+		if err := lim.Refund(ctx, "k", d, 2); err != nil {
+			t.Fatalf("Refund = %v", err)
+		}
+		if d2, _ := lim.AllowN(ctx, "k", 2); !d2.Allowed || d2.Mode != d.Mode {
+			t.Errorf("%v: AllowN(2) after refunding 2 = %+v; want allowed", d.Mode, d2)
+		}
+		if err := lim.Refund(ctx, "k", d, 0); !errors.Is(err, ErrInvalidN) {
+			t.Errorf("Refund(0) = %v; want ErrInvalidN", err)
+		}
+	}
+}
