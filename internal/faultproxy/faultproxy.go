@@ -18,13 +18,13 @@ import (
 
 // Proxy forwards TCP connections from Addr to a target address.
 type Proxy struct {
-	target string
 	ln     net.Listener
 	ctx    context.Context // cancelled by Close; bounds upstream dials
 	cancel context.CancelFunc
 	wg     sync.WaitGroup // one for the accept loop, one for each connection
 
 	mu        sync.Mutex // protects the fields below
+	target    string
 	delay     time.Duration
 	blackhole bool
 	reset     bool
@@ -122,6 +122,23 @@ func (p *Proxy) Close() error {
 	p.closeAll(false)
 	p.wg.Wait()
 	return err
+}
+
+// SetTarget points the proxy at another address, as a failover points
+// clients at a new master: connections accepted from now on are connected to
+// addr, while those already open stay connected to the old target until they
+// close (ResetAll closes them).
+func (p *Proxy) SetTarget(addr string) {
+	p.mu.Lock()
+	p.target = addr
+	p.mu.Unlock()
+}
+
+// Target returns the address new connections are connected to.
+func (p *Proxy) Target() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.target
 }
 
 // SetDelay delays every chunk forwarded in either direction by d, from the
@@ -231,7 +248,7 @@ func (p *Proxy) serve(c *conn, blackhole bool) {
 		return
 	}
 	var d net.Dialer
-	up, err := d.DialContext(p.ctx, "tcp", p.target)
+	up, err := d.DialContext(p.ctx, "tcp", p.Target())
 	if err != nil {
 		return
 	}

@@ -11,9 +11,10 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// clusterTimeout bounds how long StartCluster waits for redis-cli and for
-// every node to report cluster_state:ok.
-const clusterTimeout = 20 * time.Second
+// joinTimeout bounds how long StartCluster waits for redis-cli and for every
+// node to report cluster_state:ok, and how long StartReplicated waits for the
+// replica to sync.
+const joinTimeout = 20 * time.Second
 
 // Cluster is a Redis Cluster of masters only, started by StartCluster.
 type Cluster struct {
@@ -23,8 +24,10 @@ type Cluster struct {
 
 // StartCluster starts masters redis-server processes in cluster mode, joins
 // them with redis-cli --cluster create, and waits until every node reports
-// cluster_state:ok. Redis needs at least 3 masters. t.Cleanup kills every node.
-func StartCluster(t testing.TB, masters int) *Cluster {
+// cluster_state:ok. Redis needs at least 3 masters. Options apply to every
+// node, after the cluster flags, so that WithArgs can override them (for
+// example "--cluster-require-full-coverage", "no"). t.Cleanup kills every node.
+func StartCluster(t testing.TB, masters int, opts ...Option) *Cluster {
 	t.Helper()
 	if masters < 3 {
 		t.Fatalf("redistest: StartCluster(%d): Redis Cluster needs at least 3 masters", masters)
@@ -35,9 +38,9 @@ func StartCluster(t testing.TB, masters int) *Cluster {
 	}
 	c := &Cluster{}
 	for range masters {
-		c.Nodes = append(c.Nodes, Start(t, func(c *config) { c.cluster = true }))
+		c.Nodes = append(c.Nodes, Start(t, append([]Option{func(c *config) { c.cluster = true }}, opts...)...))
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), clusterTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), joinTimeout)
 	defer cancel()
 	args := append([]string{"--cluster", "create"}, c.Addrs()...)
 	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
@@ -128,16 +131,20 @@ func (c *Cluster) NodeForKey(t testing.TB, key string) *Server {
 }
 
 // StartReplicated starts a master and a replica of it, and waits until the
-// replica reports master_link_status:up. t.Cleanup kills both.
+// replica reports master_link_status:up and the master reports it online.
+// t.Cleanup kills both.
 func StartReplicated(t testing.TB) (master, replica *Server) {
 	t.Helper()
-	// The default 5 s diskless-sync delay would make every start slow.
-	master = Start(t, WithArgs("--repl-diskless-sync-delay", "0"))
+	// Diskless sync waits 5 s for more replicas by default, and then counts
+	// the replica for WAIT only after its first ACK, up to a second later.
+	master = Start(t, WithArgs("--repl-diskless-sync", "no"))
 	replica = Start(t, WithArgs("--replicaof", "127.0.0.1", strconv.Itoa(master.Port())))
-	ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), joinTimeout)
 	defer cancel()
-	waitInfo(t, ctx, replica, func(ctx context.Context, rc *redis.Client) (string, error) {
+	info := func(ctx context.Context, rc *redis.Client) (string, error) {
 		return rc.Info(ctx, "replication").Result()
-	}, "master_link_status:up\r\n")
+	}
+	waitInfo(t, ctx, replica, info, "master_link_status:up\r\n")
+	waitInfo(t, ctx, master, info, "port="+strconv.Itoa(replica.Port())+",state=online,")
 	return master, replica
 }

@@ -28,7 +28,7 @@ import (
 )
 
 // readyTimeout bounds how long Start and Restart wait for PING, and how long
-// StartCluster and StartReplicated wait for the cluster or link to come up.
+// Do and NodeForKey wait for a reply.
 const readyTimeout = 5 * time.Second
 
 // maxPort is the highest port handed to a server, leaving room for the
@@ -197,11 +197,13 @@ func (s *Server) run(bin string) error {
 	return fmt.Errorf("redis-server on port %d did not answer PING within %v", s.port, readyTimeout)
 }
 
-// probe returns a client for setup and polling that tries everything once:
-// by default go-redis dials 5 times, 100ms apart, and retries commands 3 times.
+// probe returns a client for setup and polling that tries everything once
+// (by default go-redis dials 5 times, 100ms apart, and retries commands 3
+// times) and is bounded by the context's deadline alone, so that blocking
+// commands such as WAIT work.
 func probe(addr string) *redis.Client {
 	return redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1, DialerRetries: 1,
-		DialTimeout: time.Second, ReadTimeout: time.Second})
+		DialTimeout: time.Second, ReadTimeout: -1, WriteTimeout: -1, ContextTimeoutEnabled: true})
 }
 
 // logTail returns the last lines of the server's log.

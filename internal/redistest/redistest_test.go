@@ -138,9 +138,11 @@ func TestCluster(t *testing.T) {
 func TestReplicated(t *testing.T) {
 	master, replica := StartReplicated(t)
 	master.Do(t, "SET", "k", "v")
-	if got := master.Do(t, "WAIT", 1, 2000); got != int64(1) {
-		t.Fatalf("WAIT 1 = %v; want 1", got)
+	start := time.Now()
+	if got := master.Do(t, "WAIT", 1, 3000); got != int64(1) {
+		t.Fatalf("WAIT 1 3000 = %v after %v; want 1", got, time.Since(start))
 	}
+	t.Logf("WAIT took %v", time.Since(start))
 	if got := replica.Do(t, "GET", "k"); got != "v" {
 		t.Errorf("GET k on replica = %#v; want v", got)
 	}
