@@ -282,6 +282,9 @@ func (lim *Limiter) limitFor(key string) (Limit, error) {
 	return *lim.limit.Load(), nil
 }
 
+// Name returns Config.Name, the limiter group's name.
+func (lim *Limiter) Name() string { return lim.cfg.Name }
+
 // Limit returns the default limit: Config.Limit, or what SetLimit set.
 func (lim *Limiter) Limit() Limit { return *lim.limit.Load() }
 

@@ -148,7 +148,7 @@ const sweepEvery = 10 * time.Second
 // names the offending field.
 //
 // New starts a few goroutines per Redis node, which send decisions, one
-// that drops idle local buckets, one that probes nodes whose breaker is
+// that loads the scripts into Redis, one that drops idle local buckets, one that probes nodes whose breaker is
 // open, one that charges Redis for local spending when a node's breaker
 // closes, and one that sends the fleet heartbeat;
 // Close stops them and waits for them to return. New does not talk to
@@ -179,10 +179,11 @@ func New(cfg Config) (*Limiter, error) {
 		}
 		lim.single = lim.newNode(name)
 	}
-	lim.wg.Add(3)
+	lim.wg.Add(4)
 	go lim.sweep()
 	go lim.reconciler()
 	go lim.prober()
+	go lim.warm()
 	if cfg.Heartbeat > 0 {
 		lim.wg.Add(1)
 		go lim.heartbeat()
@@ -489,6 +490,25 @@ func (lim *Limiter) share(l Limit) (rate.Limit, int) {
 	w := lim.view.Load().weight
 	burst := int64(float64(l.Burst) * w)
 	return rate.Limit(l.Rate * w), int(max(burst, 1))
+}
+
+// warm loads the scripts into Redis once, in the background, so that the
+// first decisions do not pay a NOSCRIPT and the source on top of a new
+// connection. A failure is harmless: decisions load them as they go.
+func (lim *Limiter) warm() {
+	defer lim.wg.Done()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	go func() {
+		select {
+		case <-lim.done:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	if err := remote.Load(ctx, lim.cfg.Redis); err != nil {
+		lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)
+	}
 }
 
 // sweep drops full local buckets every sweepEvery until Close.

@@ -16,7 +16,10 @@ type Member struct {
 }
 
 // Fleet records one heartbeat of instance id, deciding at rate per second,
-// in the fleet hash at key, and returns the live members, id included.
+// in the fleet hash at key, and returns the live members, id included with
+// the rate of its previous heartbeat if that is still live (so that its rate
+// is no fresher than the others': while traffic grows, a fresh rate beside
+// older ones would overstate its part).
 // A heartbeat counts for ttl; the hash keeps at most most members. Like
 // Take, the call is never retried but for NOSCRIPT. Fleet waits as long as
 // the client does: call it from a goroutine that may wait.
@@ -51,4 +54,16 @@ func Fleet(ctx context.Context, c redis.UniversalClient, key, id string, rate fl
 		members = append(members, Member{ID: id, Rate: f})
 	}
 	return members, nil
+}
+
+// Load loads every script of this package into the script cache of every
+// node c reaches (every master of a Cluster), so that the first decisions
+// need not send the source after a NOSCRIPT.
+func Load(ctx context.Context, c redis.UniversalClient) error {
+	for _, s := range []*script{takeScript, chargeScript, fleetScript} {
+		if err := c.ScriptLoad(ctx, s.src).Err(); err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -53,9 +53,9 @@ func Hash() string { return takeScript.sha }
 
 // Defaults for NewPipe.
 const (
-	// DefaultWorkers is how many batches may be in flight at once on one
+	// DefaultInFlight is how many batches may be in flight at once on one
 	// node: enough to overlap a round trip with the next batch's writing.
-	DefaultWorkers = 4
+	DefaultInFlight = 4
 	// MaxBatch bounds the decisions sent in one pipeline.
 	MaxBatch = 128
 )
@@ -65,8 +65,9 @@ const (
 type Pipe struct {
 	c     redis.UniversalClient
 	calls chan *call
+	slots chan struct{} // one token per batch in flight that a caller still waits for
 	done  chan struct{}
-	wg    sync.WaitGroup
+	wg    sync.WaitGroup // the dispatcher and every batch's goroutine
 	once  sync.Once
 }
 
@@ -88,21 +89,27 @@ type call struct {
 // NewPipe returns a Pipe that runs the script through c. For a Redis
 // Cluster, c is the ClusterClient and every key given to one Pipe should
 // live on one master; the client still routes each command and follows
-// MOVED and ASK. NewPipe starts workers goroutines (DefaultWorkers if
-// workers < 1); Close stops them and waits for them to return.
-func NewPipe(c redis.UniversalClient, workers int) *Pipe {
-	if workers < 1 {
-		workers = DefaultWorkers
+// MOVED and ASK.
+//
+// A dispatcher goroutine takes the waiting calls as one batch whenever
+// fewer than inflight batches (DefaultInFlight if inflight < 1) are in
+// flight, and sends each batch from a goroutine of its own. A batch counts
+// as in flight until it is answered or every caller in it has given up:
+// a batch stuck on a hung connection, which go-redis may wait on for its
+// whole ReadTimeout, does not hold back the next one. Close stops the
+// dispatcher and waits for it and for every batch's goroutine to return.
+func NewPipe(c redis.UniversalClient, inflight int) *Pipe {
+	if inflight < 1 {
+		inflight = DefaultInFlight
 	}
 	p := &Pipe{
 		c:     c,
-		calls: make(chan *call, MaxBatch*workers),
+		calls: make(chan *call, MaxBatch*inflight),
+		slots: make(chan struct{}, inflight),
 		done:  make(chan struct{}),
 	}
-	p.wg.Add(workers)
-	for range workers {
-		go p.work()
-	}
+	p.wg.Add(1)
+	go p.dispatch()
 	return p
 }
 
@@ -196,18 +203,24 @@ func (p *Pipe) Close() {
 	p.wg.Wait()
 }
 
-func (p *Pipe) work() {
+// dispatch forms batches and starts a goroutine for each, until Close.
+func (p *Pipe) dispatch() {
 	defer p.wg.Done()
-	batch := make([]*call, 0, MaxBatch)
-	pl := p.c.Pipeline()
 	for {
-		batch = batch[:0]
+		var first *call
 		select {
-		case c := <-p.calls:
-			batch = append(batch, c)
+		case first = <-p.calls:
 		case <-p.done:
 			return
 		}
+		// Wait for a slot; calls arriving meanwhile join this batch.
+		select {
+		case p.slots <- struct{}{}:
+		case <-p.done:
+			return
+		}
+		batch := make([]*call, 1, 8)
+		batch[0] = first
 	fill:
 		for len(batch) < MaxBatch {
 			select {
@@ -217,8 +230,42 @@ func (p *Pipe) work() {
 				break fill
 			}
 		}
-		p.run(pl, batch)
+		p.wg.Add(1)
+		go p.send(batch)
 	}
+}
+
+// send runs one batch and frees its slot when it is answered or when its
+// last caller's deadline has passed, whichever is first.
+func (p *Pipe) send(batch []*call) {
+	defer p.wg.Done()
+	var freed atomic.Bool
+	free := func() {
+		if freed.CompareAndSwap(false, true) {
+			<-p.slots
+		}
+	}
+	defer free()
+	if deadline, ok := lastDeadline(batch); ok {
+		t := time.AfterFunc(time.Until(deadline), free)
+		defer t.Stop()
+	}
+	p.run(p.c.Pipeline(), batch)
+}
+
+// lastDeadline returns the latest deadline of the calls in batch; ok is
+// false if one of them has none.
+func lastDeadline(batch []*call) (deadline time.Time, ok bool) {
+	for _, c := range batch {
+		d, has := c.ctx.Deadline()
+		if !has {
+			return time.Time{}, false
+		}
+		if d.After(deadline) {
+			deadline = d
+		}
+	}
+	return deadline, true
 }
 
 // run sends one batch and answers every call in it.
@@ -226,17 +273,10 @@ func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
 	// Drop what nobody waits for any more: sending it would spend tokens
 	// for a decision already given up.
 	live := batch[:0]
-	var deadline time.Time
-	unbounded := false
 	for _, c := range batch {
 		if err := c.ctx.Err(); err != nil {
 			c.finish(Result{}, err)
 			continue
-		}
-		if d, ok := c.ctx.Deadline(); !ok {
-			unbounded = true
-		} else if d.After(deadline) {
-			deadline = d
 		}
 		live = append(live, c)
 	}
@@ -246,7 +286,7 @@ func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
 	// One context for the round trip, ending with the last caller's
 	// deadline: a client with ContextTimeoutEnabled stops reading then.
 	ctx := context.Background()
-	if !unbounded {
+	if deadline, ok := lastDeadline(live); ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()

@@ -335,13 +335,15 @@ func TestFleet(t *testing.T) {
 	for _, mb := range got {
 		rates[mb.ID] = mb.Rate
 	}
-	if rates["a"] != 12 || rates["b"] != 2.5 {
-		t.Errorf("fleet rates = %v; want a 12, b 2.5", rates)
+	// a's rate is the one of its previous heartbeat.
+	if rates["a"] != 10 || rates["b"] != 2.5 {
+		t.Errorf("fleet rates = %v; want a 10, b 2.5", rates)
 	}
 	// b's heartbeat expires 3 s after it was sent.
 	m.SetTime(t0.Add(4*time.Second + time.Millisecond))
-	if got := beat("a", 1); len(got) != 1 || got[0].ID != "a" {
-		t.Errorf("fleet after b expired = %v; want only a", got)
+	// So did a's (sent at the same time): its fresh rate counts.
+	if got := beat("a", 1); len(got) != 1 || got[0] != (Member{"a", 1}) {
+		t.Errorf("fleet after b expired = %v; want only a at 1", got)
 	}
 	if ttl := m.TTL("fleet"); ttl != 3*time.Second {
 		t.Errorf("fleet key TTL = %v; want 3s", ttl)

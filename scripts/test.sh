@@ -19,3 +19,11 @@ redis-server --version
 
 go vet ./...
 go test -race -count=1 -timeout 15m "$@" ./...
+
+# Modules nested in the repository (extras whose dependencies stay out of
+# the library's go.mod) are tested the same way.
+for mod in $(git ls-files '*/go.mod' 2>/dev/null || find . -mindepth 2 -name go.mod); do
+  dir=$(dirname "$mod")
+  echo "== $dir"
+  (cd "$dir" && go vet ./... && go test -race -count=1 -timeout 15m "$@" ./...)
+done

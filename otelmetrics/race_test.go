@@ -1,0 +1,5 @@
+//go:build race
+
+package otelmetrics_test
+
+const raceEnabled = true
