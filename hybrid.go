@@ -283,7 +283,10 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 	if err := ctx.Err(); err != nil {
 		return Decision{}, err
 	}
-	start := time.Now()
+	var start time.Time
+	if lim.cfg.Observer != nil {
+		start = time.Now()
+	}
 	d, err := lim.decide(ctx, key, n, l)
 	if err != nil {
 		return Decision{}, err
@@ -304,6 +307,11 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 // decide makes the decision: from what Redis said of the key, by Redis, or
 // by the failure policy.
 func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit) (Decision, error) {
+	// While the one node is away, decide at once, without building
+	// anything for Redis: this path allocates nothing.
+	if nd := lim.single; nd != nil && nd.cb.State() != breaker.StateClosed {
+		return lim.fallback(key, n, l, nd), nil
+	}
 	rkey := lim.cfg.Prefix + key
 	rctx, cancel := context.WithTimeout(ctx, lim.cfg.Timeout)
 	defer cancel()
@@ -318,18 +326,16 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit) (D
 		// The Cluster's layout is unknown: no node to ask.
 		return lim.fallback(key, n, l, nil), nil
 	}
-	if nd.cb.State() != breaker.StateOpen {
-		lim.count.Add(1)
-		if !lim.cfg.noCache {
-			if d, ok := lim.cached(key, n, l); ok {
-				return d, nil
-			}
-		}
-	}
 	// While the breaker is not closed, only the prober talks to the node:
 	// no decision waits on a probe.
 	if nd.cb.State() != breaker.StateClosed {
 		return lim.fallback(key, n, l, nd), nil
+	}
+	lim.count.Add(1)
+	if !lim.cfg.noCache {
+		if d, ok := lim.cached(key, n, l); ok {
+			return d, nil
+		}
 	}
 	done, ok := nd.cb.Allow()
 	if !ok {

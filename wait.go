@@ -98,7 +98,12 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 		done(nil)
 		return err
 	}
-	_, err = nd.pipe.Take(rctx, rkey, rl, -n)
+	sent := lim.cfg.now()
+	res, err := nd.pipe.Take(rctx, rkey, rl, -n)
+	if err == nil {
+		// What Redis says now supersedes what a cached denial would use.
+		lim.observe(sent, key, rl, res.Level)
+	}
 	if err != nil && callerEnded(ctx, rctx, err) {
 		done(breaker.ErrCallerCanceled)
 		return nil

@@ -1,0 +1,112 @@
+package hybridlimit
+
+import (
+	"context"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"golang.org/x/time/rate"
+)
+
+// openLimiter returns a Limiter whose only node's breaker is open for an
+// hour: every decision takes the local path.
+func openLimiter(b *testing.B) *Limiter {
+	b.Helper()
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	b.Cleanup(func() { c.Close() })
+	lim, err := New(Config{Redis: c, Limit: Limit{Rate: 1e9, Burst: 1e9}, Instances: 3,
+		Heartbeat: -1, Breaker: BreakerConfig{OpenFor: time.Hour}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { lim.Close() })
+	for lim.single.cb.State().String() != "open" {
+		lim.Allow(context.Background(), "warm")
+	}
+	return lim
+}
+
+func benchKeys(n int) []string {
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = "user:" + strconv.Itoa(i)
+	}
+	return keys
+}
+
+// BenchmarkLocal measures a decision on the local path (breaker open) and,
+// beside it, bare x/time/rate limiters on the same keys: one hot key, and
+// 10,000 keys. Run with -cpu 1,2 and see docs/performance.md:
+//
+//	go test -run xxx -bench 'Local' -benchmem -count 5 .
+func BenchmarkLocal(b *testing.B) {
+	ctx := context.Background()
+	for _, nkeys := range []int{1, 10_000} {
+		keys := benchKeys(nkeys)
+		b.Run("hybridlimit/keys="+strconv.Itoa(nkeys), func(b *testing.B) {
+			lim := openLimiter(b)
+			var next atomic.Uint64
+			b.ReportAllocs()
+			b.SetParallelism(32) // 64 goroutines on 2 CPUs
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				i := int(next.Add(7919))
+				for pb.Next() {
+					i++
+					d, err := lim.Allow(ctx, keys[i%nkeys])
+					if err != nil || d.Mode != ModeLocal {
+						b.Fatalf("Allow = %+v, %v; want a local decision", d, err)
+					}
+				}
+			})
+		})
+		b.Run("x-time-rate/keys="+strconv.Itoa(nkeys), func(b *testing.B) {
+			lims := make(map[string]*rate.Limiter, nkeys)
+			for _, k := range keys {
+				lims[k] = rate.NewLimiter(1e9/3, 333_333_333)
+			}
+			var next atomic.Uint64
+			b.ReportAllocs()
+			b.SetParallelism(32)
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				i := int(next.Add(7919))
+				for pb.Next() {
+					i++
+					if !lims[keys[i%nkeys]].AllowN(time.Now(), 1) {
+						b.Fatal("denied")
+					}
+				}
+			})
+		})
+	}
+}
+
+// BenchmarkLocalSerial is one goroutine on the local path, hot key.
+func BenchmarkLocalSerial(b *testing.B) {
+	lim := openLimiter(b)
+	ctx := context.Background()
+	b.ReportAllocs()
+	for b.Loop() {
+		lim.Allow(ctx, "hot")
+	}
+}
+
+// TestLocalPathAllocs: a local decision allocates nothing.
+func TestLocalPathAllocs(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	defer c.Close()
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Heartbeat: -1,
+		Breaker: BreakerConfig{OpenFor: time.Hour}})
+	ctx := context.Background()
+	for lim.single.cb.State().String() != "open" {
+		lim.Allow(ctx, "warm")
+	}
+	lim.Allow(ctx, "k")
+	if n := testing.AllocsPerRun(1000, func() { lim.Allow(ctx, "k") }); n != 0 {
+		t.Errorf("a local decision allocates %v times; want 0", n)
+	}
+}

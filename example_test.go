@@ -1,0 +1,119 @@
+package hybridlimit_test
+
+import (
+	"context"
+	"fmt"
+	"log"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/hybridlimit/hybridlimit"
+)
+
+// ExampleNew is the README's example: one limit shared by three instances.
+// It needs a Redis, so it is compiled but not run.
+func ExampleNew() {
+	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+	defer rdb.Close()
+	lim, err := hybridlimit.New(hybridlimit.Config{
+		Redis:     rdb,
+		Limit:     hybridlimit.PerSecond(100), // shared by the whole fleet
+		Instances: 3,                          // each holds about a third while Redis is away
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer lim.Close()
+
+	http.HandleFunc("/api", func(w http.ResponseWriter, r *http.Request) {
+		d, err := lim.Allow(r.Context(), "user:42")
+		if err != nil { // bad key, closed limiter, or the request's context ended
+			http.Error(w, "unavailable", http.StatusServiceUnavailable)
+			return
+		}
+		if !d.Allowed {
+			w.Header().Set("Retry-After", strconv.Itoa(int((d.RetryAfter+time.Second-1)/time.Second)))
+			http.Error(w, "too many requests", http.StatusTooManyRequests)
+			return
+		}
+		fmt.Fprintln(w, "ok, decided by", d.Mode)
+	})
+}
+
+// ExamplePerMinute shows the limits PerSecond and PerMinute build.
+func ExamplePerMinute() {
+	fmt.Println(hybridlimit.PerSecond(10))
+	fmt.Println(hybridlimit.PerMinute(30))
+	fmt.Println(hybridlimit.Limit{Rate: 0.5, Burst: 3})
+	// Output:
+	// 10/s burst 10
+	// 0.5/s burst 30
+	// 0.5/s burst 3
+}
+
+// ExampleConfig_limitFor gives each key the limit of its tier.
+func ExampleConfig_limitFor() {
+	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+	defer rdb.Close()
+	tiers := map[string]hybridlimit.Limit{
+		"free": hybridlimit.PerMinute(60),
+		"pro":  hybridlimit.PerSecond(50),
+	}
+	lim, err := hybridlimit.New(hybridlimit.Config{
+		Redis: rdb,
+		Limit: hybridlimit.PerMinute(60), // keys LimitFor does not know
+		LimitFor: func(key string) hybridlimit.Limit {
+			tier, _, _ := strings.Cut(key, ":")
+			return tiers[tier] // the zero Limit means Config.Limit
+		},
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer lim.Close()
+	d, _ := lim.Allow(context.Background(), "pro:acme")
+	fmt.Println(d.Allowed, d.Limit)
+}
+
+// ExampleLimiter_WaitN paces a batch job: each bulk write of 500 documents
+// waits for 500 tokens of the shared limit.
+func ExampleLimiter_WaitN() {
+	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+	defer rdb.Close()
+	lim, err := hybridlimit.New(hybridlimit.Config{
+		Redis: rdb,
+		Limit: hybridlimit.Limit{Rate: 2000, Burst: 1000}, // documents per second
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer lim.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for batch := range 10 {
+		if err := lim.WaitN(ctx, "search-cluster", 500); err != nil {
+			log.Fatal(err)
+		}
+		fmt.Println("writing batch", batch)
+	}
+}
+
+// ExampleLimiter_SetLimit changes the limit at run time, for example when
+// an operator edits it: buckets keep their tokens.
+func ExampleLimiter_SetLimit() {
+	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+	defer rdb.Close()
+	lim, err := hybridlimit.New(hybridlimit.Config{Redis: rdb, Limit: hybridlimit.PerSecond(100)})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer lim.Close()
+	if err := lim.SetLimit(hybridlimit.PerSecond(50)); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(lim.Limit())
+}

@@ -1,0 +1,176 @@
+package httplimit
+
+import (
+	"math"
+	"net/http"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/hybridlimit/hybridlimit"
+)
+
+// The header fields the middleware sets, besides Retry-After.
+const (
+	// HeaderPolicy is the RateLimit-Policy field: one member per rule,
+	// "name";q=burst;w=window.
+	HeaderPolicy = "RateLimit-Policy"
+	// HeaderRateLimit is the RateLimit field: one member per rule,
+	// "name";r=remaining;t=seconds.
+	HeaderRateLimit = "RateLimit"
+	// HeaderShadow is set to "deny" on a response that a rule in shadow
+	// mode (hybridlimit.Config.Shadow) would have denied.
+	HeaderShadow = "X-RateLimit-Shadow"
+	// ParamDegraded is the boolean parameter on both members of a rule
+	// whose decision was made without Redis (hybridlimit.Mode.Degraded).
+	ParamDegraded = "hl-degraded"
+)
+
+// maxInteger is the largest sf-integer (RFC 9651, section 3.3.1).
+const maxInteger = 999_999_999_999_999
+
+// item is one rule's members in the RateLimit-Policy and RateLimit fields.
+type item struct {
+	name     string
+	q, w     int64 // quota (burst) and window in seconds
+	r, t     int64 // remaining and seconds
+	denied   bool  // denied, or would have been (shadow)
+	shadowed bool  // would have been denied, let through by Config.Shadow
+	degraded bool
+}
+
+// newItem describes d, a decision of the named rule.
+func newItem(name string, d hybridlimit.Decision) item {
+	it := item{
+		name:     name,
+		q:        clamp(d.Limit.Burst),
+		w:        window(d.Limit),
+		r:        clamp(d.Remaining),
+		denied:   !d.Allowed || d.Shadowed,
+		shadowed: d.Shadowed,
+		degraded: d.Mode.Degraded(),
+	}
+	if it.denied {
+		it.t = ceilSeconds(d.RetryAfter)
+	} else {
+		it.t = ceilSeconds(d.ResetAfter)
+	}
+	return it
+}
+
+// window returns the whole seconds in which l refills from empty: Burst/Rate
+// rounded up, at least 1. A quotient within a billionth of an integer is
+// taken as that integer, so that PerMinute(100) has a window of 60, not 61.
+func window(l hybridlimit.Limit) int64 {
+	if !(l.Rate > 0) {
+		return 1
+	}
+	w := float64(l.Burst) / l.Rate
+	if r := math.Round(w); math.Abs(w-r) <= 1e-9*w {
+		w = r
+	}
+	w = math.Ceil(w)
+	if !(w < maxInteger) {
+		return maxInteger
+	}
+	return max(int64(w), 1)
+}
+
+// ceilSeconds returns d in whole seconds, rounded up; 0 if d <= 0.
+func ceilSeconds(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	s := int64(d / time.Second)
+	if d%time.Second != 0 {
+		s++
+	}
+	return clamp(s)
+}
+
+// clamp returns n within the sf-integers that cannot be negative.
+func clamp(n int64) int64 { return min(max(n, 0), maxInteger) }
+
+// setHeaders adds the RateLimit-Policy and RateLimit fields of items to h,
+// the most restrictive member first, and the legacy fields, and on a
+// request that passes (not denied) the shadow field. It adds rather than
+// sets, so that nested middlewares list all their rules.
+func (m *Middleware) setHeaders(h http.Header, items []item, denied bool) {
+	if len(items) == 0 {
+		return
+	}
+	slices.SortStableFunc(items, func(a, b item) int {
+		switch {
+		case a.denied != b.denied:
+			if a.denied {
+				return -1
+			}
+			return 1
+		case a.denied && a.t != b.t:
+			return cmpInt(b.t, a.t) // the longer wait first
+		case a.r != b.r:
+			return cmpInt(a.r, b.r)
+		}
+		return cmpInt(b.t, a.t)
+	})
+	var policy, limit []byte
+	shadow := false
+	for i, it := range items {
+		if i > 0 {
+			policy = append(policy, ", "...)
+			limit = append(limit, ", "...)
+		}
+		policy = appendString(policy, it.name)
+		policy = appendParam(policy, "q", it.q)
+		policy = appendParam(policy, "w", it.w)
+		limit = appendString(limit, it.name)
+		limit = appendParam(limit, "r", it.r)
+		limit = appendParam(limit, "t", it.t)
+		if it.degraded {
+			policy = append(policy, ";"+ParamDegraded...)
+			limit = append(limit, ";"+ParamDegraded...)
+		}
+		shadow = shadow || it.shadowed
+	}
+	h.Add(HeaderPolicy, string(policy))
+	h.Add(HeaderRateLimit, string(limit))
+	if shadow && !denied {
+		h.Set(HeaderShadow, "deny")
+	}
+	if m.legacy {
+		first := items[0]
+		h.Set("X-RateLimit-Limit", strconv.FormatInt(first.q, 10))
+		h.Set("X-RateLimit-Remaining", strconv.FormatInt(first.r, 10))
+		h.Set("X-RateLimit-Reset", strconv.FormatInt(first.t, 10))
+	}
+}
+
+func cmpInt(a, b int64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// appendString appends s as an sf-string; s must be printable ASCII.
+func appendString(b []byte, s string) []byte {
+	b = append(b, '"')
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c == '"' || c == '\\' {
+			b = append(b, '\\')
+		}
+		b = append(b, s[i])
+	}
+	return append(b, '"')
+}
+
+// appendParam appends the parameter ;key=n.
+func appendParam(b []byte, key string, n int64) []byte {
+	b = append(b, ';')
+	b = append(b, key...)
+	b = append(b, '=')
+	return strconv.AppendInt(b, n, 10)
+}
