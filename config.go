@@ -119,8 +119,10 @@ type Config struct {
 	// be quick. A bucket whose limit changes keeps its level.
 	LimitFor func(key string) Limit
 	// Name names the limiter group: the instances that share these limits.
-	// It labels logs and observations and names the fleet's heartbeat key.
-	// Zero means DefaultName.
+	// It labels logs and observations and names the fleet's heartbeat key,
+	// so two Limiters with other limits or keys that use one Redis and one
+	// Prefix must have different Names, or each would count the other's
+	// instances and traffic as its own. Zero means DefaultName.
 	Name string
 	// Instances is how many instances share the limit, until the fleet's
 	// heartbeats say better; under FailLocal each holds its share of the

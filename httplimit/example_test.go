@@ -21,12 +21,12 @@ type userKey struct{}
 // run.
 func ExampleMiddleware() {
 	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
-	perIP, err := hybridlimit.New(hybridlimit.Config{Redis: rdb, Limit: hybridlimit.PerSecond(20), Instances: 3})
+	perIP, err := hybridlimit.New(hybridlimit.Config{Redis: rdb, Name: "ip", Limit: hybridlimit.PerSecond(20), Instances: 3})
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer perIP.Close()
-	perUser, err := hybridlimit.New(hybridlimit.Config{Redis: rdb, Limit: hybridlimit.PerMinute(600), Instances: 3})
+	perUser, err := hybridlimit.New(hybridlimit.Config{Redis: rdb, Name: "user", Limit: hybridlimit.PerMinute(600), Instances: 3})
 	if err != nil {
 		log.Fatal(err)
 	}
