@@ -3,6 +3,7 @@ package hybridlimit
 import (
 	"context"
 	"errors"
+	"math"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,6 +15,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // fakeClock drives miniredis's TIME and the limiter's local clock together.
@@ -366,6 +368,35 @@ func TestRefund(t *testing.T) {
 		}
 		if err := lim.Refund(ctx, "k", d, 0); !errors.Is(err, ErrInvalidN) {
 			t.Errorf("Refund(0) = %v; want ErrInvalidN", err)
+		}
+	}
+}
+
+func TestWeigh(t *testing.T) {
+	m := func(id, report string) remote.Member { return remote.Member{ID: id, Report: report} }
+	tests := []struct {
+		name    string
+		members []remote.Member
+		want    fleet
+	}{
+		{"no heartbeat yet", nil, fleet{weight: 1.0 / 3, size: 3}},
+		{"alone", []remote.Member{m("me", "7:10:10")}, fleet{weight: 1, size: 1}},
+		// Window 6 is the one everyone reported: me 80 (as before),
+		// b 15 (as last), c 5 (as before).
+		{"80/15/5", []remote.Member{m("me", "7:99:80"), m("b", "6:15:12"), m("c", "7:1:5")},
+			fleet{weight: 0.9*0.8 + 0.1/3, size: 3}},
+		{"a member just started", []remote.Member{m("me", "7:99:80"), m("b", "7:10:-1")},
+			fleet{weight: 0.5, size: 2}},
+		{"a member missed heartbeats", []remote.Member{m("me", "9:5:5"), m("b", "6:5:5")},
+			fleet{weight: 0.5, size: 2}},
+		{"nobody decided", []remote.Member{m("me", "7:0:0"), m("b", "7:0:0")}, fleet{weight: 0.5, size: 2}},
+		{"a report we cannot read", []remote.Member{m("me", "7:1:1"), m("b", "junk")}, fleet{weight: 0.5, size: 2}},
+		{"not among them", []remote.Member{m("b", "7:1:1")}, fleet{weight: 1.0 / 3, size: 3}},
+	}
+	for _, tt := range tests {
+		got := *weigh(tt.members, "me", 3)
+		if math.Abs(got.weight-tt.want.weight) > 1e-12 || got.size != tt.want.size {
+			t.Errorf("%s: weigh = %+v; want %+v", tt.name, got, tt.want)
 		}
 	}
 }

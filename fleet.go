@@ -2,6 +2,10 @@ package hybridlimit
 
 import (
 	"context"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/hybridlimit/hybridlimit/breaker"
@@ -24,7 +28,6 @@ const (
 	fleetTTL  = 3
 	fleetMost = 1000
 	evenPart  = 0.1
-	rateAlpha = 0.5 // weight of the newest interval in the decision rate
 )
 
 // fleetKey returns the fleet hash of the group, beside its buckets.
@@ -32,67 +35,137 @@ func (lim *Limiter) fleetKey() string {
 	return lim.cfg.Prefix + "{hybridlimit-fleet:" + lim.cfg.Name + "}"
 }
 
-// heartbeat records this instance in the fleet every Config.Heartbeat,
-// with its recent decision rate, and sizes the local share from the live
-// fleet it gets back. While Redis is away it keeps the last view.
+// heartbeat records this instance in the fleet once per window of
+// Config.Heartbeat and sizes the local share from the live fleet it gets
+// back. While Redis is away it keeps the last view.
+//
+// Windows are aligned to the wall clock (window k covers
+// [k×Heartbeat, (k+1)×Heartbeat)), so that every instance counts its
+// decisions over the same windows, and the weights compare like with like:
+// rates measured over different intervals (one fresh, others a heartbeat
+// old) overstate the growing ones, and the shares then add up to more than
+// the limit. Each instance counts at each window's end and reports a
+// random offset later, so that the fleet's heartbeats do not arrive
+// together: the decisions it made in the last two completed windows.
 func (lim *Limiter) heartbeat() {
 	defer lim.wg.Done()
 	every := lim.cfg.Heartbeat
-	t := time.NewTicker(every)
+	offset := time.Duration(rand.Int64N(int64(every)/5 + 1))
+	t := time.NewTimer(time.Hour)
 	defer t.Stop()
-	last, smoothed, first := lim.count.Load(), 0.0, true
-	beat := func() {
-		n := lim.count.Load()
-		r := float64(n-last) / every.Seconds()
-		last = n
-		if first {
-			smoothed, first = r, false
-		} else {
-			smoothed = rateAlpha*r + (1-rateAlpha)*smoothed
-		}
-		if lim.single != nil && lim.single.cb.State() == breaker.StateOpen {
-			return
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), every)
-		defer cancel()
-		members, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), lim.id, smoothed, fleetTTL*every, fleetMost)
-		if err != nil {
-			lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", err)
-			return
-		}
-		lim.view.Store(weigh(members, lim.id, lim.cfg.Instances))
-	}
-	beat()
-	for {
+	sleep := func(until time.Time) bool {
+		t.Reset(time.Until(until))
 		select {
 		case <-t.C:
-			beat()
+			return true
 		case <-lim.done:
+			return false
+		}
+	}
+	// counts[0] is the window before the last completed one, counts[1]
+	// the last; -1 when this instance was not running for all of it.
+	counts := [2]int64{-1, -1}
+	var snap int64 = -1 // decisions at the start of the current window
+	for {
+		k := time.Now().UnixNano() / int64(every)
+		end := time.Unix(0, (k+1)*int64(every))
+		if !sleep(end) {
 			return
 		}
+		n := lim.count.Load()
+		last := int64(-1)
+		if snap >= 0 {
+			last = n - snap
+		}
+		counts = [2]int64{counts[1], last}
+		snap = n
+		if !sleep(end.Add(offset)) {
+			return
+		}
+		lim.beat(fmt.Sprintf("%d:%d:%d", k, counts[1], counts[0]))
 	}
 }
 
+// beat sends one heartbeat with report and stores the new view.
+func (lim *Limiter) beat(report string) {
+	if lim.single != nil && lim.single.cb.State() == breaker.StateOpen {
+		return
+	}
+	every := lim.cfg.Heartbeat
+	ctx, cancel := context.WithTimeout(context.Background(), every)
+	defer cancel()
+	members, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), lim.id, report, fleetTTL*every, fleetMost)
+	if err != nil {
+		lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", err)
+		return
+	}
+	lim.view.Store(weigh(members, lim.id, lim.cfg.Instances))
+}
+
+// report is one member's heartbeat: the decisions it made in window idx
+// and in the one before (-1: unknown).
+type report struct {
+	idx          int64
+	last, before int64
+}
+
+func parseReport(s string) (report, bool) {
+	a, rest, ok1 := strings.Cut(s, ":")
+	b, c, ok2 := strings.Cut(rest, ":")
+	idx, err1 := strconv.ParseInt(a, 10, 64)
+	last, err2 := strconv.ParseInt(b, 10, 64)
+	before, err3 := strconv.ParseInt(c, 10, 64)
+	if !ok1 || !ok2 || err1 != nil || err2 != nil || err3 != nil {
+		return report{}, false
+	}
+	return report{idx, last, before}, true
+}
+
 // weigh returns the part of every limit that instance id holds in the
-// fleet members: mostly its part of the fleet's decisions, plus an even
-// split of evenPart. With no members (or not id among them) it falls back
-// to 1/instances.
+// fleet: (1-evenPart) × its part of the fleet's decisions in one window,
+// plus evenPart split evenly. The window is the one before the newest any
+// member reported, which every live member has reported too (as its last
+// or its before). If a member's count for it is unknown (it has just
+// started, or missed heartbeats), or nobody decided, the split is even.
+// With no members (or not id among them) it falls back to 1/instances.
 func weigh(members []remote.Member, id string, instances int) *fleet {
-	var total, mine float64
+	reports := make([]report, 0, len(members))
 	found := false
+	var newest int64 = -1 << 63
 	for _, m := range members {
-		total += m.Rate
-		if m.ID == id {
-			mine, found = m.Rate, true
+		r, ok := parseReport(m.Report)
+		if !ok {
+			r = report{idx: -1 << 63, last: -1, before: -1}
 		}
+		newest = max(newest, r.idx)
+		reports = append(reports, r)
+		found = found || m.ID == id
 	}
 	if !found {
 		return &fleet{weight: 1 / float64(instances), size: instances}
 	}
 	n := float64(len(members))
-	w := 1 / n
-	if total > 0 {
-		w = (1-evenPart)*mine/total + evenPart/n
+	even := &fleet{weight: 1 / n, size: len(members)}
+	window := newest - 1
+	var total, mine int64
+	for i, r := range reports {
+		var c int64 = -1
+		switch r.idx {
+		case window:
+			c = r.last
+		case window + 1:
+			c = r.before
+		}
+		if c < 0 {
+			return even
+		}
+		total += c
+		if members[i].ID == id {
+			mine = c
+		}
 	}
-	return &fleet{weight: w, size: len(members)}
+	if total == 0 {
+		return even
+	}
+	return &fleet{weight: (1-evenPart)*float64(mine)/float64(total) + evenPart/n, size: len(members)}
 }

@@ -11,22 +11,19 @@ import (
 
 // Member is one live instance of a limiter group.
 type Member struct {
-	ID   string
-	Rate float64 // its recent decisions per second
+	ID     string
+	Report string // what it reported at its last heartbeat
 }
 
-// Fleet records one heartbeat of instance id, deciding at rate per second,
-// in the fleet hash at key, and returns the live members, id included with
-// the rate of its previous heartbeat if that is still live (so that its rate
-// is no fresher than the others': while traffic grows, a fresh rate beside
-// older ones would overstate its part).
+// Fleet records one heartbeat of instance id with its report (a string
+// without spaces, opaque to this package) in the fleet hash at key, and
+// returns the live members, id included.
 // A heartbeat counts for ttl; the hash keeps at most most members. Like
 // Take, the call is never retried but for NOSCRIPT. Fleet waits as long as
 // the client does: call it from a goroutine that may wait.
-func Fleet(ctx context.Context, c redis.UniversalClient, key, id string, rate float64, ttl time.Duration, most int) ([]Member, error) {
+func Fleet(ctx context.Context, c redis.UniversalClient, key, id, report string, ttl time.Duration, most int) ([]Member, error) {
 	args := func(verb, script string) noRetryCmd {
-		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, key, id,
-			strconv.FormatFloat(rate, 'g', 6, 64),
+		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, key, id, report,
 			strconv.FormatInt(ttl.Milliseconds(), 10),
 			strconv.Itoa(most))}
 	}
@@ -47,11 +44,10 @@ func Fleet(ctx context.Context, c redis.UniversalClient, key, id string, rate fl
 	for i := 0; i < len(vals); i += 2 {
 		id, ok1 := vals[i].(string)
 		r, ok2 := vals[i+1].(string)
-		f, err := strconv.ParseFloat(r, 64)
-		if !ok1 || !ok2 || err != nil || !(f >= 0) {
+		if !ok1 || !ok2 {
 			return nil, fmt.Errorf("%w: fleet member %v %v", ErrReply, vals[i], vals[i+1])
 		}
-		members = append(members, Member{ID: id, Rate: f})
+		members = append(members, Member{ID: id, Report: r})
 	}
 	return members, nil
 }

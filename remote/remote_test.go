@@ -316,34 +316,28 @@ func TestFleet(t *testing.T) {
 	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
 	defer c.Close()
 	ctx := context.Background()
-	beat := func(id string, rate float64) []Member {
+	beat := func(id, report string) map[string]string {
 		t.Helper()
-		ms, err := Fleet(ctx, c, "fleet", id, rate, 3*time.Second, 100)
+		ms, err := Fleet(ctx, c, "fleet", id, report, 3*time.Second, 100)
 		if err != nil {
 			t.Fatalf("Fleet(%q) = %v", id, err)
 		}
-		return ms
+		got := map[string]string{}
+		for _, mb := range ms {
+			got[mb.ID] = mb.Report
+		}
+		return got
 	}
-	beat("a", 10)
+	beat("a", "1")
 	m.SetTime(t0.Add(time.Second))
-	beat("b", 2.5)
-	got := beat("a", 12)
-	if len(got) != 2 {
-		t.Fatalf("fleet = %v; want a and b", got)
-	}
-	rates := map[string]float64{}
-	for _, mb := range got {
-		rates[mb.ID] = mb.Rate
-	}
-	// a's rate is the one of its previous heartbeat.
-	if rates["a"] != 10 || rates["b"] != 2.5 {
-		t.Errorf("fleet rates = %v; want a 10, b 2.5", rates)
+	beat("b", "2")
+	if got := beat("a", "3"); len(got) != 2 || got["a"] != "3" || got["b"] != "2" {
+		t.Errorf("fleet = %v; want a:3 b:2", got)
 	}
 	// b's heartbeat expires 3 s after it was sent.
 	m.SetTime(t0.Add(4*time.Second + time.Millisecond))
-	// So did a's (sent at the same time): its fresh rate counts.
-	if got := beat("a", 1); len(got) != 1 || got[0] != (Member{"a", 1}) {
-		t.Errorf("fleet after b expired = %v; want only a at 1", got)
+	if got := beat("a", "4"); len(got) != 1 || got["a"] != "4" {
+		t.Errorf("fleet after b expired = %v; want only a:4", got)
 	}
 	if ttl := m.TTL("fleet"); ttl != 3*time.Second {
 		t.Errorf("fleet key TTL = %v; want 3s", ttl)
