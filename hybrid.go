@@ -472,10 +472,12 @@ func (lim *Limiter) fallback(key string, n int64, l Limit, nd *node) Decision {
 	case FailOpen:
 		return Decision{Allowed: true, Mode: ModeFailOpen}
 	case FailClosed:
-		d := Decision{Mode: ModeFailClosed, RetryAfter: lim.cfg.Breaker.OpenFor}
+		// Until the next probe can have closed the breaker: the rest of
+		// the open period, or, once it is over, a probe's round.
+		d := Decision{Mode: ModeFailClosed, RetryAfter: probeTick + lim.cfg.Timeout}
 		if nd != nil {
 			if until := nd.cb.OpenUntil(); !until.IsZero() {
-				d.RetryAfter = max(until.Sub(time.Now()), 0)
+				d.RetryAfter = max(time.Until(until), d.RetryAfter)
 			}
 		}
 		return d

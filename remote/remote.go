@@ -12,7 +12,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
+	"net"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -63,12 +64,16 @@ const (
 // Pipe sends token-bucket decisions for one Redis node, coalescing those
 // that arrive together into pipelines. Pipe is safe for concurrent use.
 type Pipe struct {
-	c     redis.UniversalClient
-	calls chan *call
-	slots chan struct{} // one token per batch in flight that a caller still waits for
-	done  chan struct{}
-	wg    sync.WaitGroup // the dispatcher and every batch's goroutine
-	once  sync.Once
+	c      redis.UniversalClient
+	inline bool // c bounds reads by the context's deadline: a lone call may run on its caller
+	calls  chan *call
+	slots  chan struct{} // one token per batch in flight that a caller still waits for
+	done   chan struct{}
+	boxed  atomic.Pointer[boxed]
+
+	mu     sync.RWMutex   // protects closed, and wg.Add against Close's wg.Wait
+	closed bool           // Close has begun
+	wg     sync.WaitGroup // the dispatcher, every batch's goroutine, every inline call
 }
 
 // call is one decision in flight. The worker fills res and err, then sends
@@ -103,14 +108,28 @@ func NewPipe(c redis.UniversalClient, inflight int) *Pipe {
 		inflight = DefaultInFlight
 	}
 	p := &Pipe{
-		c:     c,
-		calls: make(chan *call, MaxBatch*inflight),
-		slots: make(chan struct{}, inflight),
-		done:  make(chan struct{}),
+		c:      c,
+		inline: boundsReads(c),
+		calls:  make(chan *call, MaxBatch*inflight),
+		slots:  make(chan struct{}, inflight),
+		done:   make(chan struct{}),
 	}
 	p.wg.Add(1)
 	go p.dispatch()
 	return p
+}
+
+// boundsReads reports whether c stops reading a reply at the context's
+// deadline (ContextTimeoutEnabled), so that a caller can wait on it
+// directly without risking the client's own, longer, time-outs.
+func boundsReads(c redis.UniversalClient) bool {
+	switch c := c.(type) {
+	case *redis.Client:
+		return c.Options().ContextTimeoutEnabled
+	case *redis.ClusterClient:
+		return c.Options().ContextTimeoutEnabled
+	}
+	return false
 }
 
 // Take runs the script for key: it takes n tokens if the bucket holds them.
@@ -176,6 +195,26 @@ func (p *Pipe) ChargeAll(ctx context.Context, charges []Spend) (failed int) {
 func (p *Pipe) do(c *call) (Result, error) {
 	ctx := c.ctx
 	c.ready = make(chan struct{}, 1)
+	// Alone on an idle pipe, a call is sent at once: on the caller's own
+	// goroutine if the client bounds its reads by the caller's deadline,
+	// else from a goroutine of its own. Otherwise the dispatcher batches it
+	// with the others waiting.
+	if len(p.calls) == 0 {
+		select {
+		case p.slots <- struct{}{}:
+			if !p.enter() {
+				<-p.slots
+				return Result{}, ErrClosed
+			}
+			if p.inline {
+				p.send([]*call{c})
+				return c.res, c.err
+			}
+			go p.send([]*call{c})
+			return p.await(c)
+		default:
+		}
+	}
 	select {
 	case p.calls <- c:
 	case <-ctx.Done():
@@ -183,23 +222,45 @@ func (p *Pipe) do(c *call) (Result, error) {
 	case <-p.done:
 		return Result{}, ErrClosed
 	}
+	return p.await(c)
+}
+
+// await waits for c's answer, its context's end, or Close.
+func (p *Pipe) await(c *call) (Result, error) {
 	select {
 	case <-c.ready:
 		return c.res, c.err
-	case <-ctx.Done():
+	case <-c.ctx.Done():
 		if c.sent.Load() {
-			return Result{}, fmt.Errorf("%w: %w", ErrUnanswered, ctx.Err())
+			return Result{}, fmt.Errorf("%w: %w", ErrUnanswered, c.ctx.Err())
 		}
-		return Result{}, ctx.Err()
+		return Result{}, c.ctx.Err()
 	case <-p.done:
 		return Result{}, ErrClosed
 	}
 }
 
-// Close stops the workers and waits for them to return. A batch in flight
-// is waited for: the client's own time-outs bound it. Close is idempotent.
+// enter counts one more batch in p.wg, unless Close has begun.
+func (p *Pipe) enter() bool {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if p.closed {
+		return false
+	}
+	p.wg.Add(1)
+	return true
+}
+
+// Close stops the dispatcher and waits for it and for every batch in
+// flight: the client's own time-outs bound them. Calls still queued get
+// ErrClosed. Close is idempotent.
 func (p *Pipe) Close() {
-	p.once.Do(func() { close(p.done) })
+	p.mu.Lock()
+	if !p.closed {
+		p.closed = true
+		close(p.done)
+	}
+	p.mu.Unlock()
 	p.wg.Wait()
 }
 
@@ -230,13 +291,17 @@ func (p *Pipe) dispatch() {
 				break fill
 			}
 		}
-		p.wg.Add(1)
+		if !p.enter() {
+			<-p.slots
+			return
+		}
 		go p.send(batch)
 	}
 }
 
 // send runs one batch and frees its slot when it is answered or when its
-// last caller's deadline has passed, whichever is first.
+// last caller's deadline has passed, whichever is first. It requires a
+// slot taken and p.wg counted for it.
 func (p *Pipe) send(batch []*call) {
 	defer p.wg.Done()
 	var freed atomic.Bool
@@ -246,11 +311,11 @@ func (p *Pipe) send(batch []*call) {
 		}
 	}
 	defer free()
-	if deadline, ok := lastDeadline(batch); ok {
+	if deadline, ok := lastDeadline(batch); ok && !(p.inline && len(batch) == 1) {
 		t := time.AfterFunc(time.Until(deadline), free)
 		defer t.Stop()
 	}
-	p.run(p.c.Pipeline(), batch)
+	p.run(batch)
 }
 
 // lastDeadline returns the latest deadline of the calls in batch; ok is
@@ -269,7 +334,7 @@ func lastDeadline(batch []*call) (deadline time.Time, ok bool) {
 }
 
 // run sends one batch and answers every call in it.
-func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
+func (p *Pipe) run(batch []*call) {
 	// Drop what nobody waits for any more: sending it would spend tokens
 	// for a decision already given up.
 	live := batch[:0]
@@ -283,8 +348,25 @@ func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
 	if len(live) == 0 {
 		return
 	}
+	for _, c := range live {
+		c.sent.Store(true)
+	}
+	if len(live) == 1 {
+		// The caller's own context: a client with ContextTimeoutEnabled
+		// stops reading at its deadline.
+		c := live[0]
+		cmd := p.evalCmd(c.ctx, "evalsha", c)
+		err := p.c.Process(c.ctx, cmd)
+		if isNoScript(err) {
+			cmd = p.evalCmd(c.ctx, "eval", c)
+			err = p.c.Process(c.ctx, cmd)
+		}
+		c.finishCmd(cmd, err)
+		return
+	}
+
 	// One context for the round trip, ending with the last caller's
-	// deadline: a client with ContextTimeoutEnabled stops reading then.
+	// deadline.
 	ctx := context.Background()
 	if deadline, ok := lastDeadline(live); ok {
 		var cancel context.CancelFunc
@@ -292,24 +374,10 @@ func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
 		defer cancel()
 	}
 
-	for _, c := range live {
-		c.sent.Store(true)
-	}
-	if len(live) == 1 {
-		c := live[0]
-		cmd := evalCmd(ctx, "evalsha", c)
-		err := p.c.Process(ctx, cmd)
-		if isNoScript(err) {
-			cmd = evalCmd(ctx, "eval", c)
-			err = p.c.Process(ctx, cmd)
-		}
-		c.finishCmd(cmd, err)
-		return
-	}
-
+	pl := p.c.Pipeline()
 	cmds := make([]noRetryCmd, len(live))
 	for i, c := range live {
-		cmds[i] = evalCmd(ctx, "evalsha", c)
+		cmds[i] = p.evalCmd(ctx, "evalsha", c)
 		_ = pl.Process(ctx, cmds[i])
 	}
 	_, _ = pl.Exec(ctx)
@@ -323,7 +391,7 @@ func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
 		// The node lost its script cache (restart, failover, SCRIPT FLUSH):
 		// EVAL carries the source and loads it again.
 		for _, i := range again {
-			cmds[i] = evalCmd(ctx, "eval", live[i])
+			cmds[i] = p.evalCmd(ctx, "eval", live[i])
 			_ = pl.Process(ctx, cmds[i])
 		}
 		_, _ = pl.Exec(ctx)
@@ -335,6 +403,10 @@ func (p *Pipe) run(pl redis.Pipeliner, batch []*call) {
 
 func (c *call) finishCmd(cmd noRetryCmd, err error) {
 	switch {
+	case err != nil && isTimeout(err):
+		// The deadline passed with the command written: Redis may still
+		// run it. Reported as the deadline, like a caller that gave up.
+		c.finish(Result{}, fmt.Errorf("%w: %w: %w", ErrUnanswered, context.DeadlineExceeded, err))
 	case err != nil:
 		c.finish(Result{}, err)
 	case c.script == chargeScript:
@@ -342,6 +414,13 @@ func (c *call) finishCmd(cmd noRetryCmd, err error) {
 	default:
 		c.finish(parseReply(cmd.Val()))
 	}
+}
+
+// isTimeout reports whether err is a deadline: the context's, or a socket's.
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded) ||
+		errors.As(err, &ne) && ne.Timeout()
 }
 
 func (c *call) finish(res Result, err error) {
@@ -357,17 +436,31 @@ type noRetryCmd struct{ *redis.Cmd }
 func (noRetryCmd) NoRetry() bool { return true }
 
 // evalCmd returns the EVALSHA (or, with verb "eval", the EVAL) of c.
-func evalCmd(ctx context.Context, verb string, c *call) noRetryCmd {
+func (p *Pipe) evalCmd(ctx context.Context, verb string, c *call) noRetryCmd {
 	script := c.script.sha
 	if verb == "eval" {
 		script = c.script.src
 	}
-	return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key,
-		strconv.FormatInt(c.lim.Q, 10),
-		strconv.FormatInt(c.lim.P, 10),
-		strconv.FormatInt(c.lim.Burst, 10),
-		strconv.FormatInt(c.n, 10),
-	)}
+	b := p.box(c.lim)
+	return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.burst, c.n)}
+}
+
+// boxed is a Limit's numbers as the interface values a command's
+// arguments hold, kept so that a decision does not box them again.
+type boxed struct {
+	lim         Limit
+	q, p, burst any
+}
+
+// box returns lim's numbers boxed, from the last limit boxed if it is the
+// same (one limit for every key is the common case).
+func (p *Pipe) box(lim Limit) *boxed {
+	if b := p.boxed.Load(); b != nil && b.lim == lim {
+		return b
+	}
+	b := &boxed{lim: lim, q: lim.Q, p: lim.P, burst: lim.Burst}
+	p.boxed.Store(b)
+	return b
 }
 
 func isNoScript(err error) bool {
