@@ -183,18 +183,26 @@ var (
 	ErrClosed = errors.New("hybridlimit: limiter closed")
 )
 
-// check reports whether l is a limit the script holds exactly.
-func (l Limit) check() error {
+// limits is a Limit with its form in the script's fixed point.
+type limits struct {
+	Limit
+	rl remote.Limit
+}
+
+// check returns l with its fixed-point form, or an error wrapping
+// ErrInvalidLimit if the script cannot hold it exactly.
+func (l Limit) check() (limits, error) {
 	if !(l.Rate > 0) || math.IsInf(l.Rate, 0) {
-		return fmt.Errorf("%w: Rate must be positive and finite, got %v", ErrInvalidLimit, l.Rate)
+		return limits{}, fmt.Errorf("%w: Rate must be positive and finite, got %v", ErrInvalidLimit, l.Rate)
 	}
 	if l.Burst < 1 {
-		return fmt.Errorf("%w: Burst must be at least 1, got %d", ErrInvalidLimit, l.Burst)
+		return limits{}, fmt.Errorf("%w: Burst must be at least 1, got %d", ErrInvalidLimit, l.Burst)
 	}
-	if _, err := remote.NewLimit(l.Rate, l.Burst); err != nil {
-		return fmt.Errorf("%w: %v: %v", ErrInvalidLimit, l, err)
+	rl, err := remote.NewLimit(l.Rate, l.Burst)
+	if err != nil {
+		return limits{}, fmt.Errorf("%w: %v: %v", ErrInvalidLimit, l, err)
 	}
-	return nil
+	return limits{l, rl}, nil
 }
 
 // validate checks cfg and fills in the defaults.
@@ -211,7 +219,7 @@ func (cfg *Config) validate() error {
 	if cfg.Limit.Burst < 1 {
 		return bad("Limit.Burst must be at least 1, got %d", cfg.Limit.Burst)
 	}
-	if err := cfg.Limit.check(); err != nil {
+	if _, err := cfg.Limit.check(); err != nil {
 		return bad("Limit: %v", err)
 	}
 	switch {
@@ -271,14 +279,15 @@ func (cfg *Config) validate() error {
 	return nil
 }
 
-// limitFor returns key's limit.
-func (lim *Limiter) limitFor(key string) (Limit, error) {
+// limitFor returns key's limit: Config.LimitFor's, or the default.
+func (lim *Limiter) limitFor(key string) (limits, error) {
 	if lim.cfg.LimitFor != nil {
 		if l := lim.cfg.LimitFor(key); l != (Limit{}) {
-			if err := l.check(); err != nil {
-				return Limit{}, fmt.Errorf("LimitFor(%q): %w", key, err)
+			ls, err := l.check()
+			if err != nil {
+				return limits{}, fmt.Errorf("LimitFor(%q): %w", key, err)
 			}
-			return l, nil
+			return ls, nil
 		}
 	}
 	return *lim.limit.Load(), nil
@@ -288,26 +297,18 @@ func (lim *Limiter) limitFor(key string) (Limit, error) {
 func (lim *Limiter) Name() string { return lim.cfg.Name }
 
 // Limit returns the default limit: Config.Limit, or what SetLimit set.
-func (lim *Limiter) Limit() Limit { return *lim.limit.Load() }
+func (lim *Limiter) Limit() Limit { return lim.limit.Load().Limit }
 
 // SetLimit changes the default limit at run time. Each key's bucket in
-// Redis takes the new limit on its next decision and keeps its level (a
-// smaller burst caps it); the local shares follow. Every instance of the
+// Redis takes the new limit on its next decision and keeps its tokens (a
+// smaller burst caps them); the local shares follow. Every instance of the
 // group should be given the same limit. It returns an error wrapping
 // ErrInvalidLimit for a limit the script cannot hold exactly.
 func (lim *Limiter) SetLimit(l Limit) error {
-	if err := l.check(); err != nil {
+	ls, err := l.check()
+	if err != nil {
 		return err
 	}
-	lim.limit.Store(&l)
+	lim.limit.Store(&ls)
 	return nil
-}
-
-// remoteLimit returns l in the script's fixed point.
-func (lim *Limiter) remoteLimit(l Limit) (remote.Limit, error) {
-	rl, err := remote.NewLimit(l.Rate, l.Burst)
-	if err != nil {
-		return remote.Limit{}, fmt.Errorf("%w: %v", ErrInvalidLimit, err)
-	}
-	return rl, nil
 }

@@ -107,7 +107,7 @@ type Decision struct {
 type Limiter struct {
 	cfg     Config
 	id      string                  // this instance, in the fleet
-	limit   atomic.Pointer[Limit]   // the default limit; SetLimit changes it
+	limit   atomic.Pointer[limits]  // the default limit; SetLimit changes it
 	view    atomic.Pointer[fleet]   // this instance's share of every limit
 	shares  *local.Shares           // local buckets and what Redis said per key
 	cluster *redis.ClusterClient    // nil unless cfg.Redis is a Cluster client
@@ -166,8 +166,8 @@ func New(cfg Config) (*Limiter, error) {
 		healed: make(chan *node, 16),
 		done:   make(chan struct{}),
 	}
-	l := cfg.Limit
-	lim.limit.Store(&l)
+	ls, _ := cfg.Limit.check() // validate checked it
+	lim.limit.Store(&ls)
 	lim.view.Store(&fleet{weight: 1 / float64(cfg.Instances), size: cfg.Instances})
 	lim.nodes.Store(&nodeMap{})
 	if cc, ok := cfg.Redis.(*redis.ClusterClient); ok {
@@ -270,10 +270,11 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 	if len(key) == 0 || len(key) > MaxKeyLen {
 		return Decision{}, fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
 	}
-	l, err := lim.limitFor(key)
+	ls, err := lim.limitFor(key)
 	if err != nil {
 		return Decision{}, err
 	}
+	l := ls.Limit
 	if n < 1 || n > l.Burst {
 		return Decision{}, fmt.Errorf("%w: n=%d, want 1 to burst %d", ErrInvalidN, n, l.Burst)
 	}
@@ -287,7 +288,7 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 	if lim.cfg.Observer != nil {
 		start = time.Now()
 	}
-	d, err := lim.decide(ctx, key, n, l)
+	d, err := lim.decide(ctx, key, n, ls)
 	if err != nil {
 		return Decision{}, err
 	}
@@ -306,7 +307,8 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 
 // decide makes the decision: from what Redis said of the key, by Redis, or
 // by the failure policy.
-func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit) (Decision, error) {
+func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls limits) (Decision, error) {
+	l, rl := ls.Limit, ls.rl
 	// While the one node is away, decide at once, without building
 	// anything for Redis: this path allocates nothing.
 	if nd := lim.single; nd != nil && nd.cb.State() != breaker.StateClosed {
@@ -333,18 +335,13 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, l Limit) (D
 	}
 	lim.count.Add(1)
 	if !lim.cfg.noCache {
-		if d, ok := lim.cached(key, n, l); ok {
+		if d, ok := lim.cached(key, n, ls); ok {
 			return d, nil
 		}
 	}
 	done, ok := nd.cb.Allow()
 	if !ok {
 		return lim.fallback(key, n, l, nd), nil
-	}
-	rl, err := lim.remoteLimit(l)
-	if err != nil { // limitFor checked it
-		done(nil)
-		return Decision{}, err
 	}
 	sent := lim.cfg.now()
 	res, err := nd.pipe.Take(rctx, rkey, rl, n)
@@ -404,16 +401,13 @@ func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, level i
 // then a lower bound of Redis's: other instances may have spent more.
 // A Refund by another instance, or a raised limit, can make the bucket
 // hold more than that bound; the error lasts at most one RetryAfter.
-func (lim *Limiter) cached(key string, n int64, l Limit) (Decision, bool) {
+func (lim *Limiter) cached(key string, n int64, ls limits) (Decision, bool) {
 	tokens, r, at, ok := lim.shares.Seen(key)
-	if !ok || r > l.Rate {
+	if !ok || r > ls.Rate {
 		// The limit was lowered since: Redis refilled faster meanwhile.
 		return Decision{}, false
 	}
-	rl, err := lim.remoteLimit(l)
-	if err != nil {
-		return Decision{}, false
-	}
+	rl := ls.rl
 	// In the script's fixed point, so that the answer is Redis's to the
 	// microsecond: units of 1/P token, Q units a microsecond.
 	capacity := rl.Burst * rl.P

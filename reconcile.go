@@ -60,14 +60,11 @@ func (lim *Limiter) reconcile(ctx context.Context, nd *node) {
 	}
 	var charges []remote.Spend
 	lim.shares.Drain(lim.cfg.now(), match, func(key string, spent float64) {
-		l, err := lim.limitFor(key)
+		ls, err := lim.limitFor(key)
 		if err != nil {
 			return
 		}
-		rl, err := lim.remoteLimit(l)
-		if err != nil {
-			return
-		}
+		l, rl := ls.Limit, ls.rl
 		fleet := math.Min(spent/w, float64(l.Burst))
 		charges = append(charges, remote.Spend{
 			Key: lim.cfg.Prefix + key, Limit: rl, Units: int64(math.Round(fleet * float64(rl.P))),

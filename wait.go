@@ -64,12 +64,12 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 	if len(key) == 0 || len(key) > MaxKeyLen {
 		return fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
 	}
-	l, err := lim.limitFor(key)
+	ls, err := lim.limitFor(key)
 	if err != nil {
 		return err
 	}
-	if n < 1 || n > l.Burst {
-		return fmt.Errorf("%w: n=%d, want 1 to burst %d", ErrInvalidN, n, l.Burst)
+	if n < 1 || n > ls.Burst {
+		return fmt.Errorf("%w: n=%d, want 1 to burst %d", ErrInvalidN, n, ls.Burst)
 	}
 	if lim.closed.Load() {
 		return ErrClosed
@@ -93,11 +93,7 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 	if !ok {
 		return nil
 	}
-	rl, err := lim.remoteLimit(l)
-	if err != nil {
-		done(nil)
-		return err
-	}
+	rl := ls.rl
 	sent := lim.cfg.now()
 	res, err := nd.pipe.Take(rctx, rkey, rl, -n)
 	if err == nil {

@@ -194,7 +194,6 @@ func (p *Pipe) ChargeAll(ctx context.Context, charges []Spend) (failed int) {
 
 func (p *Pipe) do(c *call) (Result, error) {
 	ctx := c.ctx
-	c.ready = make(chan struct{}, 1)
 	// Alone on an idle pipe, a call is sent at once: on the caller's own
 	// goroutine if the client bounds its reads by the caller's deadline,
 	// else from a goroutine of its own. Otherwise the dispatcher batches it
@@ -207,14 +206,16 @@ func (p *Pipe) do(c *call) (Result, error) {
 				return Result{}, ErrClosed
 			}
 			if p.inline {
-				p.send([]*call{c})
+				p.send([]*call{c}) // c.ready stays nil: nobody waits on it
 				return c.res, c.err
 			}
+			c.ready = make(chan struct{}, 1)
 			go p.send([]*call{c})
 			return p.await(c)
 		default:
 		}
 	}
+	c.ready = make(chan struct{}, 1)
 	select {
 	case p.calls <- c:
 	case <-ctx.Done():
@@ -425,7 +426,9 @@ func isTimeout(err error) bool {
 
 func (c *call) finish(res Result, err error) {
 	c.res, c.err = res, err
-	c.ready <- struct{}{}
+	if c.ready != nil {
+		c.ready <- struct{}{}
+	}
 }
 
 // noRetryCmd is a script call that go-redis must never retry: the script

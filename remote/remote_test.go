@@ -3,6 +3,8 @@ package remote
 import (
 	"context"
 	"errors"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -341,5 +343,49 @@ func TestFleet(t *testing.T) {
 	}
 	if ttl := m.TTL("fleet"); ttl != 3*time.Second {
 		t.Errorf("fleet key TTL = %v; want 3s", ttl)
+	}
+}
+
+// TestInline: with a client that bounds reads by the context's deadline, a
+// lone call runs on its caller's goroutine; answers and NOSCRIPT handling
+// are the same, and concurrent calls still batch exactly.
+func TestInline(t *testing.T) {
+	m := miniredis.RunT(t)
+	m.SetTime(t0)
+	c := redis.NewClient(&redis.Options{Addr: m.Addr(), ContextTimeoutEnabled: true})
+	defer c.Close()
+	p := NewPipe(c, 2)
+	defer p.Close()
+	if !p.inline {
+		t.Fatal("pipe on a client with ContextTimeoutEnabled is not inline")
+	}
+	run(t, m, p, "k", mustLimit(t, 10, 3), []step{
+		{0, 3, true, 0, 0},
+		{0, 1, false, 0, 100 * time.Millisecond},
+	})
+	m.FlushAll()
+	if err := c.ScriptFlush(context.Background()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	run(t, m, p, "k", mustLimit(t, 10, 3), []step{{0, 1, true, 2, 0}})
+	lim := mustLimit(t, 1e-3, 100)
+	var allowed atomic.Int64
+	var wg sync.WaitGroup
+	for range 300 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := p.Take(context.Background(), "many", lim, 1)
+			if err != nil {
+				t.Error(err)
+			}
+			if res.Allowed {
+				allowed.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	if allowed.Load() != 100 {
+		t.Errorf("allowed %d of 300 on a bucket of 100; want 100", allowed.Load())
 	}
 }
