@@ -393,8 +393,13 @@ func TestWeigh(t *testing.T) {
 		{"a report we cannot read", []remote.Member{m("me", "7:1:1"), m("b", "junk")}, fleet{weight: 0.5, size: 2}},
 		{"not among them", []remote.Member{m("b", "7:1:1")}, fleet{weight: 1.0 / 3, size: 3}},
 	}
+	// On its first heartbeat an instance may be the first of several to
+	// start: it counts at least Instances.
+	if got := *weigh([]remote.Member{m("me", "7:-1:-1")}, "me", 3, false); got != (fleet{weight: 1.0 / 3, size: 3}) {
+		t.Errorf("first heartbeat alone: weigh = %+v; want a third of 3", got)
+	}
 	for _, tt := range tests {
-		got := *weigh(tt.members, "me", 3)
+		got := *weigh(tt.members, "me", 3, true)
 		if math.Abs(got.weight-tt.want.weight) > 1e-12 || got.size != tt.want.size {
 			t.Errorf("%s: weigh = %+v; want %+v", tt.name, got, tt.want)
 		}

@@ -66,6 +66,9 @@ func (lim *Limiter) heartbeat() {
 	// the last; -1 when this instance was not running for all of it.
 	counts := [2]int64{-1, -1}
 	var snap int64 = -1 // decisions at the start of the current window
+	// After this instance's first heartbeat, every live member has had a
+	// window to write its own: the fleet it sees is then complete.
+	settled := false
 	for {
 		k := time.Now().UnixNano() / int64(every)
 		end := time.Unix(0, (k+1)*int64(every))
@@ -82,14 +85,17 @@ func (lim *Limiter) heartbeat() {
 		if !sleep(end.Add(offset)) {
 			return
 		}
-		lim.beat(fmt.Sprintf("%d:%d:%d", k, counts[1], counts[0]))
+		if lim.beat(fmt.Sprintf("%d:%d:%d", k, counts[1], counts[0]), settled) {
+			settled = true
+		}
 	}
 }
 
-// beat sends one heartbeat with report and stores the new view.
-func (lim *Limiter) beat(report string) {
+// beat sends one heartbeat with report and stores the new view; it
+// reports whether the heartbeat reached Redis.
+func (lim *Limiter) beat(report string, settled bool) bool {
 	if lim.single != nil && lim.single.cb.State() == breaker.StateOpen {
-		return
+		return false
 	}
 	every := lim.cfg.Heartbeat
 	ctx, cancel := context.WithTimeout(context.Background(), every)
@@ -97,9 +103,10 @@ func (lim *Limiter) beat(report string) {
 	members, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), lim.id, report, fleetTTL*every, fleetMost)
 	if err != nil {
 		lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", err)
-		return
+		return false
 	}
-	lim.view.Store(weigh(members, lim.id, lim.cfg.Instances))
+	lim.view.Store(weigh(members, lim.id, lim.cfg.Instances, settled))
+	return true
 }
 
 // report is one member's heartbeat: the decisions it made in window idx
@@ -128,7 +135,10 @@ func parseReport(s string) (report, bool) {
 // or its before). If a member's count for it is unknown (it has just
 // started, or missed heartbeats), or nobody decided, the split is even.
 // With no members (or not id among them) it falls back to 1/instances.
-func weigh(members []remote.Member, id string, instances int) *fleet {
+// Until the view is settled (this instance's first heartbeat: instances
+// started with it may not have written theirs yet) the split is over at
+// least instances members.
+func weigh(members []remote.Member, id string, instances int, settled bool) *fleet {
 	reports := make([]report, 0, len(members))
 	found := false
 	var newest int64 = -1 << 63
@@ -144,8 +154,12 @@ func weigh(members []remote.Member, id string, instances int) *fleet {
 	if !found {
 		return &fleet{weight: 1 / float64(instances), size: instances}
 	}
-	n := float64(len(members))
-	even := &fleet{weight: 1 / n, size: len(members)}
+	size := len(members)
+	if !settled {
+		size = max(size, instances)
+	}
+	n := float64(size)
+	even := &fleet{weight: 1 / n, size: size}
 	window := newest - 1
 	var total, mine int64
 	for i, r := range reports {
@@ -167,5 +181,5 @@ func weigh(members []remote.Member, id string, instances int) *fleet {
 	if total == 0 {
 		return even
 	}
-	return &fleet{weight: (1-evenPart)*float64(mine)/float64(total) + evenPart/n, size: len(members)}
+	return &fleet{weight: (1-evenPart)*float64(mine)/float64(total) + evenPart/n, size: size}
 }
