@@ -28,16 +28,16 @@ local raw = redis.pcall('GET', key)
 if type(raw) == 'table' and raw.err then
   redis.call('DEL', key)
 elseif raw then
-  local l, s, lp = string.match(raw, '^(%d+) (%d+) (%d+)$')
+  local l, s, lp = string.match(raw, '^(%x+) (%x+) (%x+)$')
   if l then
     -- A level written under another limit is converted to this one's
     -- units: the tokens are kept, a fraction of a unit may be lost.
-    level = tonumber(l)
-    lp = tonumber(lp)
+    level = tonumber(l, 16)
+    lp = tonumber(lp, 16)
     if lp ~= p then
       level = math.floor(level * p / lp)
     end
-    local elapsed = now - tonumber(s)
+    local elapsed = now - tonumber(s, 16)
     if elapsed > 0 then
       if elapsed * q >= cap - level then
         level = cap
@@ -56,5 +56,5 @@ if level < 0 then
   level = 0
 end
 local ttl = math.ceil((cap - level) / q / 1000) + 1000
-redis.call('SET', key, string.format('%.0f %.0f %.0f', level, now, p), 'PX', ttl)
+redis.call('SET', key, string.format('%x %x %x', level, now, p), 'PX', ttl)
 return {level, now}

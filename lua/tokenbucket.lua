@@ -12,9 +12,11 @@
 -- integer below 2^53, which Lua's doubles hold exactly; the client checks
 -- burst * p against that bound before it calls.
 --
--- The value is the string "<level> <time> <p>", time in microseconds of
--- Redis TIME (client clocks are never read), and p the units per token the
--- level was written in, so that a changed limit keeps the tokens. A denial
+-- The value is the string "<level> <time> <p>" in hexadecimal (short
+-- enough for Redis's smallest string encoding: PerSecond(100) takes 24
+-- bytes), time in microseconds of Redis TIME (client clocks are never
+-- read), and p the units per token the level was written in, so that a
+-- changed limit keeps the tokens. A denial
 -- writes nothing: the stored state already implies the refilled level, so
 -- the TTL set by the last write stays right. A value that is not ours
 -- (another type, or a string we cannot read) is replaced by a full bucket
@@ -39,17 +41,17 @@ if type(raw) == 'table' and raw.err then
   repaired = 1
   redis.call('DEL', key)
 elseif raw then
-  local l, s, lp = string.match(raw, '^(%d+) (%d+) (%d+)$')
+  local l, s, lp = string.match(raw, '^(%x+) (%x+) (%x+)$')
   if l then
     -- A level written under another limit is converted to this one's
     -- units: the tokens are kept, a fraction of a unit may be lost.
-    level = tonumber(l)
-    lp = tonumber(lp)
+    level = tonumber(l, 16)
+    lp = tonumber(lp, 16)
     if lp ~= p then
       level = math.floor(level * p / lp)
       converted = true
     end
-    local elapsed = now - tonumber(s)
+    local elapsed = now - tonumber(s, 16)
     -- A clock that went back (failover to a replica) refills nothing.
     if elapsed > 0 then
       local missing = cap - level
@@ -81,7 +83,7 @@ if allowed == 1 or repaired == 1 or converted then
   -- Expire one second after the bucket would be full again (a converted
   -- level is written back so that its TTL follows the new limit).
   local ttl = math.ceil((cap - level) / q / 1000) + 1000
-  redis.call('SET', key, string.format('%.0f %.0f %.0f', level, now, p), 'PX', ttl)
+  redis.call('SET', key, string.format('%x %x %x', level, now, p), 'PX', ttl)
 end
 if allowed == 0 then
   if cost > cap then
