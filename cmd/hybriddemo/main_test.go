@@ -2,6 +2,11 @@ package main
 
 import (
 	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -12,8 +17,8 @@ import (
 )
 
 // TestRun runs a short demo, Redis cut off from 1s to 2s, and checks that
-// Redis decided before the outage and each policy during it, and that
-// run stopped everything it started.
+// Redis decided before the outage and each strategy's fallback during it,
+// and that run stopped everything it started.
 func TestRun(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	var out strings.Builder
@@ -23,41 +28,39 @@ func TestRun(t *testing.T) {
 		outageEnd:   2 * time.Second,
 		rate:        200,
 		limit:       100,
+		heartbeat:   200 * time.Millisecond,
 	}, &out)
 	if err != nil {
 		t.Fatalf("run: %v", err)
 	}
 	t.Logf("\n%s", out.String())
-	if !strings.Contains(out.String(), "second  redis  policy") {
-		t.Errorf("output has no table header")
+	for _, want := range []string{"second  redis  strategy", "max in 1-2"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output has no %q", want)
+		}
 	}
-	want := map[hybridlimit.FailurePolicy]string{
-		hybridlimit.FailLocal:  hybridlimit.ModeLocal.String(),
-		hybridlimit.FailOpen:   hybridlimit.ModeFailOpen.String(),
-		hybridlimit.FailClosed: hybridlimit.ModeFailClosed.String(),
-	}
-	for p, mode := range want {
-		secs := got[p]
+	for i, st := range strategies {
+		secs := got[i]
 		if len(secs) != 3 {
-			t.Fatalf("%v: %d seconds; want 3", p, len(secs))
+			t.Fatalf("%s: %d seconds; want 3", st.name, len(secs))
 		}
 		before, during := secs[0], secs[1]
 		// A machine busy enough to make a decision overrun 50ms now and
-		// then may send a few to the policy even while Redis is up.
+		// then may send a few to the fallback even while Redis is up.
 		if before.Total() < 100 || before.Modes["remote"] < before.Total()/2 {
-			t.Errorf("%v, second 0-1 (Redis up): %d decisions, modes %v; want 100 or more, mostly remote",
-				p, before.Total(), before.Modes)
+			t.Errorf("%s, second 0-1 (Redis up): %d decisions, modes %v; want 100 or more, mostly remote",
+				st.name, before.Total(), before.Modes)
 		}
-		if during.Total() < 100 || during.Modes[mode] < during.Total()*9/10 {
-			t.Errorf("%v, second 1-2 (Redis cut off): %d decisions, modes %v; want 100 or more, nearly all %s",
-				p, during.Total(), during.Modes, mode)
+		if during.Total() < 100 || during.Modes[st.mode] < during.Total()*9/10 {
+			t.Errorf("%s, second 1-2 (Redis cut off): %d decisions, modes %v; want 100 or more, nearly all %s",
+				st.name, during.Total(), during.Modes, st.mode)
 		}
 		if during.Errors != 0 {
-			t.Errorf("%v, second 1-2: %d errors; want none (Redis failures are not errors)", p, during.Errors)
+			t.Errorf("%s, second 1-2: %d errors; want none (Redis failures are not errors)", st.name, during.Errors)
 		}
-	}
-	if a := got[hybridlimit.FailClosed][1].Allowed; a > 5 {
-		t.Errorf("FailClosed allowed %d while Redis was cut off; want (nearly) none", a)
+		if st.policy == hybridlimit.FailClosed && during.Allowed > 5 {
+			t.Errorf("FailClosed allowed %d while Redis was cut off; want (nearly) none", during.Allowed)
+		}
 	}
 }
 
@@ -71,5 +74,140 @@ func TestRunRejectsBadOptions(t *testing.T) {
 		if _, err := run(context.Background(), o, &strings.Builder{}); err == nil {
 			t.Errorf("run(%+v) = nil error; want one", o)
 		}
+	}
+}
+
+// TestServe runs the -serve mode's handler: past the limit it answers 429
+// with Retry-After and the RateLimit fields; with the outage switched on,
+// every response is marked degraded and none is a 5xx; switched off, Redis
+// decides again.
+func TestServe(t *testing.T) {
+	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
+	s, err := newService(context.Background(), "", slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatalf("newService: %v", err)
+	}
+	defer s.Close()
+	ts := httptest.NewServer(s.Handler())
+	defer ts.Close()
+
+	do := func(method, path string, header ...string) (*http.Response, string) {
+		t.Helper()
+		req, err := http.NewRequest(method, ts.URL+path, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i+1 < len(header); i += 2 {
+			req.Header.Set(header[i], header[i+1])
+		}
+		resp, err := ts.Client().Do(req)
+		if err != nil {
+			t.Fatalf("%s %s: %v", method, path, err)
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		if err != nil {
+			t.Fatalf("%s %s: reading the body: %v", method, path, err)
+		}
+		if resp.StatusCode >= 500 {
+			t.Errorf("%s %s = %d %q; want no 5xx", method, path, resp.StatusCode, body)
+		}
+		return resp, string(body)
+	}
+	degraded := func(resp *http.Response) bool {
+		return strings.Contains(resp.Header.Get("RateLimit"), ";hl-degraded") &&
+			strings.Contains(resp.Header.Get("RateLimit-Policy"), ";hl-degraded")
+	}
+
+	// With an API key, both rules decide.
+	resp, body := do("GET", "/", "X-API-Key", "secret")
+	if resp.StatusCode != 200 || !strings.Contains(body, "hello (mode remote") {
+		t.Fatalf("GET / = %d %q; want 200 hello (mode remote...", resp.StatusCode, body)
+	}
+	for field, want := range map[string]string{
+		"RateLimit-Policy":  `"ip";q=5;w=1, "apikey";q=100;w=60`,
+		"RateLimit":         `"ip";r=4;t=1, "apikey";r=99;t=1`,
+		"X-RateLimit-Limit": "5",
+	} {
+		if got := resp.Header.Get(field); got != want {
+			t.Errorf("GET / with X-API-Key: %s = %q; want %q", field, got, want)
+		}
+	}
+
+	// Past 5 requests in a second, 429.
+	allowed := 1
+	for range 20 {
+		resp, body = do("GET", "/")
+		if resp.StatusCode != 200 {
+			break
+		}
+		allowed++
+	}
+	if resp.StatusCode != 429 || allowed < 5 {
+		t.Fatalf("GET / after %d allowed = %d %q; want 429 after 5 or more", allowed, resp.StatusCode, body)
+	}
+	if ra, err := strconv.Atoi(resp.Header.Get("Retry-After")); err != nil || ra < 1 {
+		t.Errorf("429: Retry-After = %q; want 1 or more seconds", resp.Header.Get("Retry-After"))
+	}
+	if got := resp.Header.Get("RateLimit"); !strings.HasPrefix(got, `"ip";r=0;t=1`) {
+		t.Errorf("429: RateLimit = %q; want \"ip\";r=0;t=1", got)
+	}
+	if got := resp.Header.Get("RateLimit-Policy"); !strings.HasPrefix(got, `"ip";q=5;w=1`) {
+		t.Errorf("429: RateLimit-Policy = %q; want \"ip\";q=5;w=1", got)
+	}
+	if degraded(resp) {
+		t.Errorf("429 while Redis is up: RateLimit = %q; want no hl-degraded", resp.Header.Get("RateLimit"))
+	}
+
+	if resp, body := do("POST", "/outage?on=true"); resp.StatusCode != 200 || !strings.HasPrefix(body, "outage on") {
+		t.Fatalf("POST /outage?on=true = %d %q; want 200 outage on", resp.StatusCode, body)
+	}
+	// For up to a fifth of a second after Redis's denial (a token at 5/s),
+	// the Limiter may still deny from what Redis said, as Redis would:
+	// ModeRemote, not degraded. Wait that out.
+	time.Sleep(300 * time.Millisecond)
+	denied := 0
+	for i := range 10 {
+		resp, body := do("GET", "/")
+		if !degraded(resp) {
+			t.Errorf("GET / %d during the outage = %d, RateLimit %q, RateLimit-Policy %q; want hl-degraded",
+				i, resp.StatusCode, resp.Header.Get("RateLimit"), resp.Header.Get("RateLimit-Policy"))
+		}
+		switch resp.StatusCode {
+		case 200:
+			if !strings.Contains(body, "hello (mode local") {
+				t.Errorf("GET / %d during the outage = %q; want hello (mode local...", i, body)
+			}
+		case 429:
+			denied++
+			if resp.Header.Get("Retry-After") == "" {
+				t.Errorf("GET / %d during the outage: 429 without Retry-After", i)
+			}
+		default:
+			t.Errorf("GET / %d during the outage = %d %q; want 200 or 429", i, resp.StatusCode, body)
+		}
+	}
+	if denied == 0 {
+		t.Errorf("10 requests at once during the outage: none denied; want the local share to deny some")
+	}
+
+	if resp, body := do("POST", "/outage/off"); resp.StatusCode != 200 || !strings.HasPrefix(body, "outage off") {
+		t.Fatalf("POST /outage/off = %d %q; want 200 outage off", resp.StatusCode, body)
+	}
+	// The breaker probes Redis every 250ms or so, and closes on an answer.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		resp, _ := do("GET", "/")
+		if !degraded(resp) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("GET / 5s after the outage: RateLimit %q; want Redis to decide again", resp.Header.Get("RateLimit"))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+
+	if resp, _ := do("POST", "/outage?on=maybe"); resp.StatusCode != 400 {
+		t.Errorf("POST /outage?on=maybe = %d; want 400", resp.StatusCode)
 	}
 }
