@@ -117,3 +117,87 @@ func ExampleLimiter_SetLimit() {
 	}
 	fmt.Println(lim.Limit())
 }
+
+// ExampleLimiter_AllowN charges a request by its cost, and reports who
+// decided.
+func ExampleLimiter_AllowN() {
+	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+	defer rdb.Close()
+	lim, err := hybridlimit.New(hybridlimit.Config{Redis: rdb, Limit: hybridlimit.PerSecond(100)})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer lim.Close()
+	d, err := lim.AllowN(context.Background(), "tenant:7", 25) // a batch of 25 items
+	switch {
+	case err != nil:
+		log.Print(err) // errors.Is(err, hybridlimit.ErrInvalidN), ErrClosed, ctx's error
+	case !d.Allowed:
+		fmt.Println("retry in", d.RetryAfter)
+	case d.Mode.Degraded():
+		fmt.Println("allowed on this instance's share; Redis is away")
+	default:
+		fmt.Println("allowed;", d.Remaining, "left")
+	}
+}
+
+// ExampleLimiter_Refund gives back what a first check took when a second
+// one refuses the request.
+func ExampleLimiter_Refund() {
+	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+	defer rdb.Close()
+	perIP, _ := hybridlimit.New(hybridlimit.Config{Redis: rdb, Name: "ip", Limit: hybridlimit.PerSecond(20)})
+	defer perIP.Close()
+	perUser, _ := hybridlimit.New(hybridlimit.Config{Redis: rdb, Name: "user", Limit: hybridlimit.PerMinute(100)})
+	defer perUser.Close()
+
+	ctx := context.Background()
+	ip, err := perIP.Allow(ctx, "203.0.113.9")
+	if err != nil || !ip.Allowed {
+		return
+	}
+	user, err := perUser.Allow(ctx, "user:42")
+	if err == nil && !user.Allowed {
+		// The request is refused after all: the per-IP token was not used.
+		_ = perIP.Refund(ctx, "203.0.113.9", ip, 1)
+	}
+}
+
+// ExampleConfig_shadow watches what a new, stricter limit would deny
+// before it is enforced.
+func ExampleConfig_shadow() {
+	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+	defer rdb.Close()
+	lim, err := hybridlimit.New(hybridlimit.Config{
+		Redis:  rdb,
+		Name:   "search-v2",
+		Limit:  hybridlimit.PerSecond(10),
+		Shadow: true, // report, never deny
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer lim.Close()
+	d, _ := lim.Allow(context.Background(), "user:42")
+	if d.Shadowed {
+		log.Printf("the new limit would deny user:42 for %v", d.RetryAfter)
+	}
+	fmt.Println(d.Allowed) // always true in shadow mode
+}
+
+// ExampleLimiter_Stats reads the limiter's state for gauges.
+func ExampleLimiter_Stats() {
+	rdb := redis.NewClient(&redis.Options{Addr: "localhost:6379"})
+	defer rdb.Close()
+	lim, err := hybridlimit.New(hybridlimit.Config{Redis: rdb, Limit: hybridlimit.PerSecond(100), Instances: 3})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer lim.Close()
+	st := lim.Stats()
+	for node, state := range st.Breakers {
+		fmt.Printf("redis %s: breaker %s\n", node, state)
+	}
+	fmt.Printf("%d live instances; this one holds %.0f%% of each limit while Redis is away\n",
+		st.Fleet, 100*st.Weight)
+}
