@@ -139,7 +139,13 @@ func run(ctx context.Context, cfg config) error {
 	}
 	rep.finished = time.Now().UTC()
 	rep.loadAfter = loadAvg()
-	if err := os.WriteFile(cfg.out, []byte(rep.markdown()), 0o644); err != nil {
+	md := rep.markdown()
+	// The reading of the numbers is written by hand, in analysis.md beside
+	// this command's module, and kept after the generated part.
+	if notes, err := os.ReadFile("analysis.md"); err == nil {
+		md += "\n" + string(notes)
+	}
+	if err := os.WriteFile(cfg.out, []byte(md), 0o644); err != nil {
 		return err
 	}
 	fmt.Fprintf(cfg.progress, "wrote %s in %v\n", cfg.out, rep.finished.Sub(rep.started).Round(time.Second))
