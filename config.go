@@ -279,18 +279,20 @@ func (cfg *Config) validate() error {
 	return nil
 }
 
-// limitFor returns key's limit: Config.LimitFor's, or the default.
-func (lim *Limiter) limitFor(key string) (limits, error) {
+// limitFor returns key's limit: Config.LimitFor's, filled into own, or
+// the default.
+func (lim *Limiter) limitFor(key string, own *limits) (*limits, error) {
 	if lim.cfg.LimitFor != nil {
 		if l := lim.cfg.LimitFor(key); l != (Limit{}) {
 			ls, err := l.check()
 			if err != nil {
-				return limits{}, fmt.Errorf("LimitFor(%q): %w", key, err)
+				return nil, fmt.Errorf("LimitFor(%q): %w", key, err)
 			}
-			return ls, nil
+			*own = ls
+			return own, nil
 		}
 	}
-	return *lim.limit.Load(), nil
+	return lim.limit.Load(), nil
 }
 
 // Name returns Config.Name, the limiter group's name.

@@ -266,17 +266,17 @@ func (lim *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 // decision was made). Redis failures are not errors: the FailurePolicy
 // decides, and Decision.Mode says so. AllowN waits at most Config.Timeout
 // for Redis.
-func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, error) {
+func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (d Decision, err error) {
 	if len(key) == 0 || len(key) > MaxKeyLen {
 		return Decision{}, fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
 	}
-	ls, err := lim.limitFor(key)
+	var own limits
+	ls, err := lim.limitFor(key, &own)
 	if err != nil {
 		return Decision{}, err
 	}
-	l := ls.Limit
-	if n < 1 || n > l.Burst {
-		return Decision{}, fmt.Errorf("%w: n=%d, want 1 to burst %d", ErrInvalidN, n, l.Burst)
+	if n < 1 || n > ls.Burst {
+		return Decision{}, fmt.Errorf("%w: n=%d, want 1 to burst %d", ErrInvalidN, n, ls.Burst)
 	}
 	if lim.closed.Load() {
 		return Decision{}, ErrClosed
@@ -288,11 +288,12 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 	if lim.cfg.Observer != nil {
 		start = time.Now()
 	}
-	d, err := lim.decide(ctx, key, n, ls)
-	if err != nil {
+	// decide fills d in place: a Decision is a few words, copied through
+	// every frame otherwise, and this is the hottest path there is.
+	if err := lim.decide(ctx, key, n, ls, &d); err != nil {
 		return Decision{}, err
 	}
-	d.Limit = l
+	d.Limit = ls.Limit
 	if lim.cfg.Shadow && !d.Allowed {
 		d.Allowed, d.Shadowed = true, true
 	}
@@ -307,12 +308,13 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, 
 
 // decide makes the decision: from what Redis said of the key, by Redis, or
 // by the failure policy.
-func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls limits) (Decision, error) {
+func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits, d *Decision) error {
 	l, rl := ls.Limit, ls.rl
 	// While the one node is away, decide at once, without building
 	// anything for Redis: this path allocates nothing.
 	if nd := lim.single; nd != nil && nd.cb.State() != breaker.StateClosed {
-		return lim.fallback(key, n, l, nd), nil
+		lim.fallback(key, n, l, nd, d)
+		return nil
 	}
 	rkey := lim.cfg.Prefix + key
 	rctx, cancel := context.WithTimeout(ctx, lim.cfg.Timeout)
@@ -320,28 +322,31 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls limits) 
 	nd, err := lim.nodeFor(rctx, rkey)
 	if err != nil {
 		if errors.Is(err, ErrClosed) {
-			return Decision{}, err
+			return err
 		}
 		if callerEnded(ctx, rctx, err) {
-			return Decision{}, ctxErr(ctx)
+			return ctxErr(ctx)
 		}
 		// The Cluster's layout is unknown: no node to ask.
-		return lim.fallback(key, n, l, nil), nil
+		lim.fallback(key, n, l, nil, d)
+		return nil
 	}
 	// While the breaker is not closed, only the prober talks to the node:
 	// no decision waits on a probe.
 	if nd.cb.State() != breaker.StateClosed {
-		return lim.fallback(key, n, l, nd), nil
+		lim.fallback(key, n, l, nd, d)
+		return nil
 	}
 	lim.count.Add(1)
 	if !lim.cfg.noCache {
-		if d, ok := lim.cached(key, n, ls); ok {
-			return d, nil
+		if lim.cached(key, n, ls, d) {
+			return nil
 		}
 	}
 	done, ok := nd.cb.Allow()
 	if !ok {
-		return lim.fallback(key, n, l, nd), nil
+		lim.fallback(key, n, l, nd, d)
+		return nil
 	}
 	sent := lim.cfg.now()
 	res, err := nd.pipe.Take(rctx, rkey, rl, n)
@@ -352,16 +357,17 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls limits) 
 			lim.cfg.Logger.Warn("hybridlimit: replaced a foreign value with a full bucket", "key", rkey)
 		}
 		lim.observe(sent, key, rl, res.Level)
-		return Decision{
+		*d = Decision{
 			Allowed:    res.Allowed,
 			Remaining:  res.Level / rl.P,
 			RetryAfter: res.RetryAfter,
 			ResetAfter: res.ResetAfter,
 			Mode:       ModeRemote,
-		}, nil
+		}
+		return nil
 	case errors.Is(err, remote.ErrClosed):
 		done(breaker.ErrCallerCanceled)
-		return Decision{}, ErrClosed
+		return ErrClosed
 	}
 	if errors.Is(err, remote.ErrUnanswered) {
 		lim.shares.Unanswered(sent, key, float64(n))
@@ -369,18 +375,20 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls limits) 
 	if callerEnded(ctx, rctx, err) {
 		// The caller's own context ended: not Redis's fault.
 		done(fmt.Errorf("%w: %w", breaker.ErrCallerCanceled, err))
-		return Decision{}, ctxErr(ctx)
+		return ctxErr(ctx)
 	}
 	if errors.Is(err, remote.ErrReply) || !breaker.IsFailure(err) {
 		// Redis answered, but not with a decision (a script error, a
 		// reply of the wrong shape): the node is healthy, the key is not.
 		done(nil)
 		lim.cfg.Logger.Error("hybridlimit: remote decision failed", "key", rkey, "err", err)
-		return lim.fallback(key, n, l, nd), nil
+		lim.fallback(key, n, l, nd, d)
+		return nil
 	}
 	nd.probe.Store(&probe{key: rkey, rl: rl})
 	done(err)
-	return lim.fallback(key, n, l, nd), nil
+	lim.fallback(key, n, l, nd, d)
+	return nil
 }
 
 // observe records what Redis said of key at sent: level units of 1/rl.P
@@ -401,11 +409,11 @@ func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, level i
 // then a lower bound of Redis's: other instances may have spent more.
 // A Refund by another instance, or a raised limit, can make the bucket
 // hold more than that bound; the error lasts at most one RetryAfter.
-func (lim *Limiter) cached(key string, n int64, ls limits) (Decision, bool) {
+func (lim *Limiter) cached(key string, n int64, ls *limits, d *Decision) bool {
 	tokens, r, at, ok := lim.shares.Seen(key)
 	if !ok || r > ls.Rate {
 		// The limit was lowered since: Redis refilled faster meanwhile.
-		return Decision{}, false
+		return false
 	}
 	rl := ls.rl
 	// In the script's fixed point, so that the answer is Redis's to the
@@ -414,18 +422,19 @@ func (lim *Limiter) cached(key string, n int64, ls limits) (Decision, bool) {
 	units := min(int64(math.Round(tokens*float64(rl.P))), capacity)
 	us := int64(lim.cfg.now().Sub(at) / time.Microsecond)
 	if us > (capacity-units)/rl.Q {
-		return Decision{}, false // full again
+		return false // full again
 	}
 	units += us * rl.Q
 	if units >= n*rl.P {
-		return Decision{}, false
+		return false
 	}
-	return Decision{
+	*d = Decision{
 		Remaining:  units / rl.P,
 		RetryAfter: ceilMicros(n*rl.P-units, rl.Q),
 		ResetAfter: ceilMicros(capacity-units, rl.Q),
 		Mode:       ModeRemote,
-	}, true
+	}
+	return true
 }
 
 // ceilMicros returns ceil(units/q) microseconds, as the script computes it.
@@ -461,24 +470,25 @@ func ctxErr(ctx context.Context) error {
 
 // fallback decides by the failure policy. nd is the node that could not
 // decide, nil if none was found.
-func (lim *Limiter) fallback(key string, n int64, l Limit, nd *node) Decision {
+func (lim *Limiter) fallback(key string, n int64, l Limit, nd *node, d *Decision) {
 	switch lim.cfg.OnFailure {
 	case FailOpen:
-		return Decision{Allowed: true, Mode: ModeFailOpen}
+		*d = Decision{Allowed: true, Mode: ModeFailOpen}
+		return
 	case FailClosed:
 		// Until the next probe can have closed the breaker: the rest of
 		// the open period, or, once it is over, a probe's round.
-		d := Decision{Mode: ModeFailClosed, RetryAfter: probeTick + lim.cfg.Timeout}
+		*d = Decision{Mode: ModeFailClosed, RetryAfter: probeTick + lim.cfg.Timeout}
 		if nd != nil {
 			if until := nd.cb.OpenUntil(); !until.IsZero() {
 				d.RetryAfter = max(time.Until(until), d.RetryAfter)
 			}
 		}
-		return d
+		return
 	}
 	r, burst := lim.share(l)
 	res := lim.shares.AllowN(lim.cfg.now(), key, r, burst, int(n))
-	return Decision{
+	*d = Decision{
 		Allowed:    res.Allowed,
 		Remaining:  res.Remaining,
 		RetryAfter: res.RetryAfter,

@@ -60,7 +60,8 @@ func (lim *Limiter) reconcile(ctx context.Context, nd *node) {
 	}
 	var charges []remote.Spend
 	lim.shares.Drain(lim.cfg.now(), match, func(key string, spent float64) {
-		ls, err := lim.limitFor(key)
+		var own limits
+		ls, err := lim.limitFor(key, &own)
 		if err != nil {
 			return
 		}

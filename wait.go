@@ -64,7 +64,8 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 	if len(key) == 0 || len(key) > MaxKeyLen {
 		return fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
 	}
-	ls, err := lim.limitFor(key)
+	var own limits
+	ls, err := lim.limitFor(key, &own)
 	if err != nil {
 		return err
 	}
