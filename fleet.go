@@ -98,8 +98,10 @@ func (lim *Limiter) beat(report string, settled bool) bool {
 		return false
 	}
 	every := lim.cfg.Heartbeat
-	ctx, cancel := context.WithTimeout(context.Background(), every)
+	ctx, cancel := lim.background()
 	defer cancel()
+	ctx, cancelTimeout := context.WithTimeout(ctx, every)
+	defer cancelTimeout()
 	members, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), lim.id, report, fleetTTL*every, fleetMost)
 	if err != nil {
 		lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", err)

@@ -504,13 +504,11 @@ func (lim *Limiter) share(l Limit) (rate.Limit, int) {
 	return rate.Limit(l.Rate * w), int(max(burst, 1))
 }
 
-// warm loads the scripts into Redis once, in the background, so that the
-// first decisions do not pay a NOSCRIPT and the source on top of a new
-// connection. A failure is harmless: decisions load them as they go.
-func (lim *Limiter) warm() {
-	defer lim.wg.Done()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
+// background returns a context for the limiter's own Redis calls, which
+// Close ends, and its cancel func, which the caller must call. It starts a
+// goroutine that returns when either happens.
+func (lim *Limiter) background() (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(context.Background())
 	go func() {
 		select {
 		case <-lim.done:
@@ -518,6 +516,18 @@ func (lim *Limiter) warm() {
 		case <-ctx.Done():
 		}
 	}()
+	return ctx, cancel
+}
+
+// warm loads the scripts into Redis once, in the background, so that the
+// first decisions do not pay a NOSCRIPT and the source on top of a new
+// connection. A failure is harmless: decisions load them as they go.
+func (lim *Limiter) warm() {
+	defer lim.wg.Done()
+	ctx, cancel := lim.background()
+	defer cancel()
+	ctx, cancelTimeout := context.WithTimeout(ctx, time.Second)
+	defer cancelTimeout()
 	if err := remote.Load(ctx, lim.cfg.Redis); err != nil {
 		lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)
 	}

@@ -14,16 +14,8 @@ import (
 // local shares just spent.
 func (lim *Limiter) reconciler() {
 	defer lim.wg.Done()
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := lim.background() // Close ends a charge in flight
 	defer cancel()
-	go func() {
-		// Close ends a charge in flight.
-		select {
-		case <-lim.done:
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
 	for {
 		select {
 		case nd := <-lim.healed:
