@@ -356,7 +356,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		if res.Repaired {
 			lim.cfg.Logger.Warn("hybridlimit: replaced a foreign value with a full bucket", "key", rkey)
 		}
-		lim.observe(sent, key, rl, res.Level)
+		lim.observe(sent, key, rl, res)
 		*d = Decision{
 			Allowed:    res.Allowed,
 			Remaining:  res.Level / rl.P,
@@ -391,14 +391,14 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	return nil
 }
 
-// observe records what Redis said of key at sent: level units of 1/rl.P
+// observe records what Redis said of key at sent: res.Level units of 1/rl.P
 // token. The local bucket starts from it if Redis fails, and cached answers
 // denials from it.
-func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, level int64) {
+func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, res remote.Result) {
 	if lim.cfg.noHandoff {
 		return
 	}
-	lim.shares.Observe(sent, key, rl.Tokens(level), rl.Rate(), float64(rl.Burst))
+	lim.shares.Observe(sent, res.Now, key, rl.Tokens(res.Level), rl.Rate(), float64(rl.Burst))
 }
 
 // cached answers a decision that Redis would deny, from what Redis last

@@ -99,7 +99,7 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 	res, err := nd.pipe.Take(rctx, rkey, rl, -n)
 	if err == nil {
 		// What Redis says now supersedes what a cached denial would use.
-		lim.observe(sent, key, rl, res.Level)
+		lim.observe(sent, key, rl, res)
 	}
 	if err != nil && callerEnded(ctx, rctx, err) {
 		done(breaker.ErrCallerCanceled)

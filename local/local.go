@@ -20,8 +20,8 @@ import (
 )
 
 // DefaultMaxKeys is the number of buckets New allows when maxKeys < 1.
-// A bucket costs about 230 bytes of heap (measured by TestMemoryPerKey),
-// so a million keys cost about 230 MB: enough keys for a busy instance,
+// A bucket costs about 250 bytes of heap (measured by TestMemoryPerKey),
+// so a million keys cost about 250 MB: enough keys for a busy instance,
 // little enough to fit beside it.
 const DefaultMaxKeys = 1_000_000
 
@@ -83,8 +83,10 @@ type bucket struct {
 	unanswered float64
 
 	// tokens is what Redis reported the key's bucket held at time seen
-	// (zero: never), rate what it refills per second and size its burst.
+	// (zero: never), rate what it refills per second and size its burst;
+	// order is when Redis decided, by its own clock.
 	tokens, rate, size float64
+	order              int64
 	seen               mono
 }
 
@@ -239,15 +241,21 @@ func newLimiter(at time.Time, r rate.Limit, burst int, tokens float64) *rate.Lim
 // Observe records what Redis said of key: its bucket of the given burst,
 // refilling rate tokens per second, held tokens at time at. A later AllowN
 // that needs a local bucket starts it from the same part of its own burst,
-// refilled since,
-// instead of full: the hand-off from Redis to local does not forget what
-// was spent. Time at must be a local monotonic time no later than when
-// Redis decided, such as when the request was sent.
-func (s *Shares) Observe(at time.Time, key string, tokens, rate, burst float64) {
+// refilled since, instead of full: the hand-off from Redis to local does not
+// forget what was spent. Time at must be a local monotonic time no later
+// than when Redis decided, such as when the request was sent.
+//
+// Answers to concurrent decisions can arrive out of order; redisTime, the
+// clock Redis decided by (microseconds), orders them: an answer older than
+// the one recorded is ignored, unless it is older by more than a second,
+// which means Redis's clock changed (a failover to another host).
+func (s *Shares) Observe(at time.Time, redisTime int64, key string, tokens, rate, burst float64) {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	b := sh.entry(at, key)
-	b.tokens, b.rate, b.size, b.seen = tokens, rate, burst, s.mono(at)
+	if redisTime >= b.order || b.order-redisTime > 1e6 {
+		b.tokens, b.rate, b.size, b.seen, b.order = tokens, rate, burst, s.mono(at), redisTime
+	}
 	sh.mu.Unlock()
 }
 

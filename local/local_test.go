@@ -489,10 +489,17 @@ func TestObserveSeeds(t *testing.T) {
 	// Redis said the key held 20 of its 100 tokens at t0, refilling 10/s.
 	// This instance holds a third: 33 tokens, 3.33/s, so its bucket starts
 	// at 6.6 at t0 (20% of 33).
-	s.Observe(t0, "k", 20, 10, 100)
+	s.Observe(t0, 1, "k", 20, 10, 100)
 	if tokens, r, at, ok := s.Seen("k"); !ok || tokens != 20 || r != 10 || !at.Equal(t0) {
 		t.Errorf("Seen = %v, %v, %v, %v; want 20, 10, t0, true", tokens, r, at, ok)
 	}
+	// An answer Redis gave earlier, arriving later, does not replace it;
+	// one from a Redis whose clock went back by more than a second does.
+	s.Observe(t0, 0, "k", 30, 10, 100)
+	if tokens, _, _, _ := s.Seen("k"); tokens != 20 {
+		t.Errorf("Seen after an older answer = %v tokens; want 20", tokens)
+	}
+	s.Observe(t0, -2e6, "k", 20, 10, 100)
 	if _, _, _, ok := s.Seen("other"); ok {
 		t.Errorf("Seen(other) = ok; want nothing observed")
 	}
@@ -512,13 +519,13 @@ func TestObserveSeeds(t *testing.T) {
 func TestDrain(t *testing.T) {
 	s := New(100)
 	r := rate.Limit(10)
-	s.Observe(t0, "a", 5, 10, 10) // 5 of 10 tokens
+	s.Observe(t0, 1, "a", 5, 10, 10) // 5 of 10 tokens
 	s.AllowN(t0, "a", r, 10, 4)
-	s.AllowN(t0, "b", r, 10, 10)  // starts full: spends 10, 2 refilled by at
-	s.Unanswered(t0, "b", 3)      // and Redis may have taken 3 more
-	s.AllowN(t0, "c", r, 10, 2)   // not matched
-	s.Observe(t0, "d", 5, 10, 10) // observed only: nothing to charge
-	at := t0.Add(200 * ms)        // 2 tokens refilled since t0
+	s.AllowN(t0, "b", r, 10, 10)     // starts full: spends 10, 2 refilled by at
+	s.Unanswered(t0, "b", 3)         // and Redis may have taken 3 more
+	s.AllowN(t0, "c", r, 10, 2)      // not matched
+	s.Observe(t0, 1, "d", 5, 10, 10) // observed only: nothing to charge
+	at := t0.Add(200 * ms)           // 2 tokens refilled since t0
 	got := map[string]float64{}
 	s.Drain(at, func(key string) bool { return key != "c" }, func(key string, spent float64) {
 		got[key] = spent
