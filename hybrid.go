@@ -369,13 +369,14 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		done(breaker.ErrCallerCanceled)
 		return ErrClosed
 	}
-	if errors.Is(err, remote.ErrUnanswered) {
-		lim.shares.Unanswered(sent, key, float64(n))
-	}
 	if callerEnded(ctx, rctx, err) {
 		// The caller's own context ended: not Redis's fault.
 		done(fmt.Errorf("%w: %w", breaker.ErrCallerCanceled, err))
 		return ctxErr(ctx)
+	}
+	if errors.Is(err, remote.ErrUnanswered) {
+		// Redis may still run it: the charge after the outage is less.
+		lim.shares.Unanswered(sent, key, float64(n))
 	}
 	if errors.Is(err, remote.ErrReply) || !breaker.IsFailure(err) {
 		// Redis answered, but not with a decision (a script error, a

@@ -255,6 +255,9 @@ func (s *Shares) Observe(at time.Time, redisTime int64, key string, tokens, rate
 	b := sh.entry(at, key)
 	if redisTime >= b.order || b.order-redisTime > 1e6 {
 		b.tokens, b.rate, b.size, b.seen, b.order = tokens, rate, burst, s.mono(at), redisTime
+		// An answer after the unanswered ones already counts whatever
+		// Redis made of them.
+		b.unanswered = 0
 	}
 	sh.mu.Unlock()
 }
@@ -274,7 +277,8 @@ func (s *Shares) Seen(key string) (tokens, rate float64, at time.Time, ok bool) 
 
 // Unanswered records that a decision of n tokens for key was sent to Redis
 // but its answer never came (a time-out), so that Redis may take the
-// tokens when it gets to it. Drain charges less by as much.
+// tokens when it gets to it. Drain charges less by as much, until a newer
+// answer from Redis (Observe) makes the record moot.
 func (s *Shares) Unanswered(now time.Time, key string, n float64) {
 	sh := s.shard(key)
 	sh.mu.Lock()

@@ -562,3 +562,17 @@ func TestRefund(t *testing.T) {
 		t.Errorf("Len() = %d after refunding an absent key; want 1", s.Len())
 	}
 }
+
+// TestObserveClearsUnanswered: a newer answer from Redis already counts
+// whatever it made of the decisions that went unanswered before it.
+func TestObserveClearsUnanswered(t *testing.T) {
+	s := New(100)
+	s.AllowN(t0, "k", 10, 10, 4) // spends 4 of a full bucket
+	s.Unanswered(t0, "k", 3)
+	s.Observe(t0, 5, "k", 10, 10, 10)
+	got := map[string]float64{}
+	s.Drain(t0, nil, func(key string, spent float64) { got[key] = spent })
+	if math.Abs(got["k"]-4) > 1e-9 {
+		t.Errorf("Drain after a newer answer = %v; want k: 4, the unanswered 3 dropped", got)
+	}
+}
