@@ -1,11 +1,12 @@
-// Package remote runs hybridlimit's token-bucket script on Redis.
+// Package remote runs hybridlimit's scripts on Redis: the token bucket,
+// the charge for spending made without Redis, and the fleet's heartbeat.
 //
-// A Pipe serves one Redis node. Callers hand it decisions; a few worker
-// goroutines send them, one EVALSHA when a decision is alone and one
-// pipeline when several are waiting, so concurrent decisions share round
-// trips. The caller waits for its answer only until its context ends: a
-// Redis that hangs costs the caller its own deadline, never the client's
-// socket time-outs, whatever the client's options say.
+// A Pipe serves one Redis node. A decision alone on an idle pipe is sent at
+// once as one EVALSHA; decisions that arrive while others are in flight are
+// sent together as one pipeline, so concurrent decisions share round trips.
+// The caller waits for its answer only until its context ends: a Redis that
+// hangs costs the caller its own deadline, never the client's socket
+// time-outs, whatever the client's options say.
 package remote
 
 import (
