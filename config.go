@@ -42,6 +42,10 @@ const (
 	DefaultHeartbeat = time.Second
 	// DefaultName names a limiter group.
 	DefaultName = "default"
+	// MinHeartbeat is the shortest Heartbeat New accepts: each heartbeat
+	// is a script call, and windows shorter than this count too few
+	// decisions to weigh the fleet by.
+	MinHeartbeat = 10 * time.Millisecond
 )
 
 // Limit is a token bucket: it refills at Rate tokens per second up to Burst
@@ -239,6 +243,8 @@ func (cfg *Config) validate() error {
 		return bad("Breaker.Probes must not be negative, got %d", cfg.Breaker.Probes)
 	case cfg.MaxLocalKeys < 0:
 		return bad("MaxLocalKeys must not be negative, got %d", cfg.MaxLocalKeys)
+	case cfg.Heartbeat > 0 && cfg.Heartbeat < MinHeartbeat:
+		return bad("Heartbeat must be at least %v (or negative: none), got %v", MinHeartbeat, cfg.Heartbeat)
 	}
 	if cfg.Name == "" {
 		cfg.Name = DefaultName

@@ -74,6 +74,7 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{"Breaker.Jitter", func(c *Config) { c.Breaker.Jitter = math.NaN() }},
 		{"Breaker.Probes", func(c *Config) { c.Breaker.Probes = -1 }},
 		{"MaxLocalKeys", func(c *Config) { c.MaxLocalKeys = -1 }},
+		{"Heartbeat", func(c *Config) { c.Heartbeat = time.Nanosecond }},
 	}
 	for _, tt := range tests {
 		cfg := ok
