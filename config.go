@@ -136,7 +136,7 @@ type Config struct {
 	// live and how many decisions per second it makes, so that every
 	// instance can size its local share from the live fleet, weighted by
 	// traffic. Zero means DefaultHeartbeat; negative means no heartbeat,
-	// and shares stay 1/Instances.
+	// and shares stay 1/Instances; otherwise at least MinHeartbeat.
 	Heartbeat time.Duration
 	// Prefix is put before every key in Redis. A Cluster user may put a
 	// hash tag in it or in the keys. Zero means DefaultPrefix.
