@@ -1,10 +1,6 @@
 package hybridlimit
 
-import (
-	"time"
-
-	"github.com/hybridlimit/hybridlimit/breaker"
-)
+import "time"
 
 // Observer is told of every decision and every breaker state change, for
 // metrics and logs. Its methods are called on the deciding goroutine,
@@ -58,7 +54,7 @@ func (lim *Limiter) Stats() Stats {
 		Fleet:     v.size,
 		Weight:    v.weight,
 	}
-	add := func(nd *node) { st.Breakers[nd.addr] = stateName(nd.cb.State()) }
+	add := func(nd *node) { st.Breakers[nd.addr] = nd.cb.State().String() }
 	if lim.single != nil {
 		add(lim.single)
 	}
@@ -67,5 +63,3 @@ func (lim *Limiter) Stats() Stats {
 	}
 	return st
 }
-
-func stateName(s breaker.State) string { return s.String() }

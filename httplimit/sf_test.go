@@ -1,7 +1,6 @@
 package httplimit
 
 import (
-	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -215,5 +214,3 @@ func checkFields(t *testing.T, policy, limit []string) (pol, lim []member) {
 	}
 	return pol, lim
 }
-
-var errTest = errors.New("test error")

@@ -200,32 +200,11 @@ func (s *Shares) AllowN(now time.Time, key string, r rate.Limit, burst int, n in
 	return res
 }
 
-// Seed sets key's bucket (created if absent) so that it holds tokens at time
-// at, clamped to [0, burst]. It is used when switching from Redis to local,
-// so that the bucket starts from what Redis last said instead of full.
-//
-// Time at must be a local monotonic time no later than the next call's now,
-// such as when Redis's reply arrived; never Redis TIME. The bucket refills
-// from at, so seeding at an earlier time counts the refill since.
-//
-// x/time/rate has no setter for tokens (golang/go#68677), so Seed builds a
-// fresh limiter, takes the whole tokens above the level from it, and swaps it
-// in. To keep a fraction of a token, it takes them slightly before at, so
-// that the fraction has refilled by at. A call that found the old limiter just
-// before the swap takes from the old one.
-func (s *Shares) Seed(at time.Time, key string, r rate.Limit, burst int, tokens float64) {
-	r, burst = clean(r, burst)
-	tokens = clamp(tokens, burst)
-	lim := newLimiter(at, r, burst, tokens)
-	sh := s.shard(key)
-	sh.mu.Lock()
-	b := sh.entry(at, key)
-	b.lim, b.r, b.burst, b.seed, b.seedAt = lim, r, burst, tokens, s.mono(at)
-	sh.mu.Unlock()
-}
-
 // newLimiter returns a limiter of rate r and burst that holds tokens at
-// time at, clamped to [0, burst].
+// time at, clamped to [0, burst]. x/time/rate has no setter for tokens
+// (golang/go#68677), so it takes the whole tokens above the level from a
+// full limiter; to keep a fraction of a token, it takes them slightly
+// before at, so that the fraction has refilled by at.
 func newLimiter(at time.Time, r rate.Limit, burst int, tokens float64) *rate.Limiter {
 	tokens = clamp(tokens, burst)
 	lim := rate.NewLimiter(r, burst)

@@ -163,6 +163,8 @@ func TestAllowN(t *testing.T) {
 	}
 }
 
+// TestSeed: a local bucket created after Observe starts from what Redis
+// said, refilled since, keeping fractions of a token.
 func TestSeed(t *testing.T) {
 	tests := []struct {
 		name   string
@@ -201,20 +203,12 @@ func TestSeed(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			// Redis said the bucket, of the same burst, held tokens at at;
+			// the local bucket starts from there.
 			s := New(0)
-			s.Seed(t0.Add(tt.at), "k", tt.r, tt.burst, tt.tokens)
+			s.Observe(t0.Add(tt.at), 1, "k", tt.tokens, float64(tt.r), float64(tt.burst))
 			run(t, s, tt.steps)
 		})
-	}
-}
-
-func TestSeedReplaces(t *testing.T) {
-	s := New(0)
-	run(t, s, []allow{{0, "k", 10, 10, 1, ok(9, 100*ms)}})
-	s.Seed(t0, "k", 10, 10, 3)
-	run(t, s, []allow{{0, "k", 10, 10, 0, ok(3, 700*ms)}})
-	if got := s.Len(); got != 1 {
-		t.Errorf("Len() = %d; want 1", got)
 	}
 }
 
@@ -357,7 +351,9 @@ func TestConcurrentManyKeys(t *testing.T) {
 				key := strconv.Itoa((g*7 + i) % 300)
 				s.AllowN(now, key, 100, 10, 1)
 				if i%100 == 0 {
-					s.Seed(now, key, 100, 10, 5)
+					s.Observe(now, int64(i), key, 5, 100, 10)
+					s.Unanswered(now, key, 1)
+					s.Drain(now, nil, func(string, float64) {})
 					s.Sweep(now)
 				}
 			}

@@ -243,7 +243,7 @@ func newClient(addr string) *redis.Client {
 func startRedis(ctx context.Context, addr string) (string, string, func(), error) {
 	if addr != "" {
 		if err := ping(ctx, addr); err != nil {
-			return "", "", nil, fmt.Errorf("Redis at %s: %w", addr, err)
+			return "", "", nil, fmt.Errorf("no Redis at %s: %w", addr, err)
 		}
 		return addr, "Redis at " + addr, func() {}, nil
 	}

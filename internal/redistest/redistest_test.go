@@ -91,7 +91,6 @@ func TestKillRestart(t *testing.T) {
 	if got := s.Do(t, "CONFIG", "GET", "maxmemory").(map[any]any)["maxmemory"]; got != "2097152" {
 		t.Errorf("maxmemory after Restart = %v; want 2097152", got)
 	}
-	start = time.Now()
 	err = c.Ping(context.Background()).Err()
 	if err != nil {
 		t.Errorf("PING on old client after Restart: %v", err)

@@ -1,5 +1,0 @@
-//go:build race
-
-package otelmetrics_test
-
-const raceEnabled = true
