@@ -5,17 +5,12 @@ package lua
 import _ "embed"
 
 // TokenBucket is the source of the token-bucket script: refill, check and
-// deduct on one key, reading the clock with Redis TIME. See tokenbucket.lua
-// for its arguments and reply.
+// deduct on one key, reading the clock with Redis TIME; it also charges a
+// bucket with tokens spent without Redis. See tokenbucket.lua for its
+// arguments and reply.
 //
 //go:embed tokenbucket.lua
 var TokenBucket string
-
-// Charge is the source of the script that charges a bucket with tokens
-// spent while Redis was away, never refusing. See charge.lua.
-//
-//go:embed charge.lua
-var Charge string
 
 // Fleet is the source of the heartbeat script: it records one instance of
 // a limiter group and returns the live ones. See fleet.lua.

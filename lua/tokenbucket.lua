@@ -6,6 +6,12 @@
 -- ARGV[3]  burst: capacity in tokens (integer >= 1)
 -- ARGV[4]  n: tokens to take (integer >= 1); a negative n gives -n tokens
 --          back (a refund), up to burst
+-- ARGV[5]  optional, "charge": take n units of 1/p token (not tokens)
+--          without refusing, never below zero. When Redis comes back after
+--          an outage, each instance charges the bucket, which refilled in
+--          Redis time all along, with what it spent on its local share
+--          meanwhile; a charge of 0 is the breaker's probe, which runs and
+--          writes like a decision but takes nothing.
 --
 -- Fixed point: the level is kept in units of 1/p token, so one microsecond
 -- adds exactly q units and no remainder is ever lost. Every number stays an
@@ -28,7 +34,11 @@ local key = KEYS[1]
 local q = tonumber(ARGV[1])
 local p = tonumber(ARGV[2])
 local cap = tonumber(ARGV[3]) * p
-local cost = tonumber(ARGV[4]) * p
+local charge = ARGV[5] == 'charge'
+local cost = tonumber(ARGV[4])
+if not charge then
+  cost = cost * p
+end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -72,7 +82,10 @@ end
 
 local allowed = 0
 local retry = 0
-if cost <= level then
+if charge then
+  allowed = 1
+  level = math.max(level - cost, 0)
+elseif cost <= level then
   allowed = 1
   level = level - cost
   if level > cap then

@@ -56,7 +56,7 @@ func Fleet(ctx context.Context, c redis.UniversalClient, key, id, report string,
 // node c reaches (every master of a Cluster), so that the first decisions
 // need not send the source after a NOSCRIPT.
 func Load(ctx context.Context, c redis.UniversalClient) error {
-	for _, s := range []*script{takeScript, chargeScript, fleetScript} {
+	for _, s := range []*script{takeScript, fleetScript} {
 		if err := c.ScriptLoad(ctx, s.src).Err(); err != nil {
 			return err
 		}

@@ -45,9 +45,8 @@ func newScript(src string) *script {
 
 // The scripts.
 var (
-	takeScript   = newScript(lua.TokenBucket)
-	chargeScript = newScript(lua.Charge)
-	fleetScript  = newScript(lua.Fleet)
+	takeScript  = newScript(lua.TokenBucket)
+	fleetScript = newScript(lua.Fleet)
 )
 
 // Hash returns the SHA1 of the token-bucket script, as EVALSHA uses it.
@@ -82,10 +81,10 @@ type Pipe struct {
 // reads it.
 type call struct {
 	ctx    context.Context
-	script *script
 	key    string
 	lim    Limit
-	n      int64 // tokens to take (takeScript) or units to charge (chargeScript)
+	n      int64 // tokens to take, or units to charge
+	charge bool  // the script's charge mode
 	sent   atomic.Bool
 	res    Result
 	err    error
@@ -143,15 +142,16 @@ func boundsReads(c redis.UniversalClient) bool {
 // exception is NOSCRIPT, which proves the script did not run: the decision
 // is sent again once with the script's source.
 func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result, error) {
-	return p.do(&call{ctx: ctx, script: takeScript, key: key, lim: lim, n: n})
+	return p.do(&call{ctx: ctx, key: key, lim: lim, n: n})
 }
 
 // Charge takes units (of 1/lim.P token) from key's bucket, after refilling
 // it, but never below zero and never refusing: it charges the bucket with
-// tokens spent without Redis. The Result has Allowed true and the Level
-// left. Like Take, it is sent once and never retried.
+// tokens spent without Redis (the script's charge mode). The Result has
+// Allowed true and the Level left. Like Take, it is sent once and never
+// retried.
 func (p *Pipe) Charge(ctx context.Context, key string, lim Limit, units int64) (Result, error) {
-	return p.do(&call{ctx: ctx, script: chargeScript, key: key, lim: lim, n: units})
+	return p.do(&call{ctx: ctx, key: key, lim: lim, n: units, charge: true})
 }
 
 // Spend is tokens spent without Redis, for ChargeAll to charge.
@@ -167,7 +167,7 @@ type Spend struct {
 func (p *Pipe) ChargeAll(ctx context.Context, charges []Spend) (failed int) {
 	calls := make([]*call, 0, len(charges))
 	for _, ch := range charges {
-		c := &call{ctx: ctx, script: chargeScript, key: ch.Key, lim: ch.Limit, n: ch.Units,
+		c := &call{ctx: ctx, key: ch.Key, lim: ch.Limit, n: ch.Units, charge: true,
 			ready: make(chan struct{}, 1)}
 		select {
 		case p.calls <- c:
@@ -411,8 +411,6 @@ func (c *call) finishCmd(cmd noRetryCmd, err error) {
 		c.finish(Result{}, fmt.Errorf("%w: %w: %w", ErrUnanswered, context.DeadlineExceeded, err))
 	case err != nil:
 		c.finish(Result{}, err)
-	case c.script == chargeScript:
-		c.finish(parseCharge(cmd.Val()))
 	default:
 		c.finish(parseReply(cmd.Val()))
 	}
@@ -441,11 +439,14 @@ func (noRetryCmd) NoRetry() bool { return true }
 
 // evalCmd returns the EVALSHA (or, with verb "eval", the EVAL) of c.
 func (p *Pipe) evalCmd(ctx context.Context, verb string, c *call) noRetryCmd {
-	script := c.script.sha
+	script := takeScript.sha
 	if verb == "eval" {
-		script = c.script.src
+		script = takeScript.src
 	}
 	b := p.box(c.lim)
+	if c.charge {
+		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.burst, c.n, "charge")}
+	}
 	return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.burst, c.n)}
 }
 

@@ -77,18 +77,3 @@ func micros(us int64) time.Duration {
 	}
 	return time.Duration(us) * time.Microsecond
 }
-
-// parseCharge turns the charge script's reply {level, now} into a Result
-// with Allowed true.
-func parseCharge(v any) (Result, error) {
-	vals, ok := v.([]any)
-	if !ok || len(vals) != 2 {
-		return Result{}, fmt.Errorf("%w: %T of %d values", ErrReply, v, lenOf(v))
-	}
-	level, ok1 := vals[0].(int64)
-	now, ok2 := vals[1].(int64)
-	if !ok1 || !ok2 || level < 0 {
-		return Result{}, fmt.Errorf("%w: %v", ErrReply, vals)
-	}
-	return Result{Allowed: true, Level: level, Now: now}, nil
-}
