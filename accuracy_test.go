@@ -54,7 +54,7 @@ const (
 
 // runOutage runs o against a fresh redis-server and returns the seconds of
 // all instances together.
-func runOutage(t *testing.T, o outage) []loadgen.Second {
+func runOutage(t testing.TB, o outage) []loadgen.Second {
 	t.Helper()
 	srv := redistest.Start(t)
 	n := 3
@@ -116,7 +116,7 @@ func runOutage(t *testing.T, o outage) []loadgen.Second {
 
 // appendAccuracy appends one run's allowed counts per second to path, as a
 // line "label<TAB>a0 a1 ...", for docs/accuracy.md and its plot.
-func appendAccuracy(t *testing.T, path string, o outage, secs []loadgen.Second) {
+func appendAccuracy(t testing.TB, path string, o outage, secs []loadgen.Second) {
 	f, err := os.OpenFile(path, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
 	if err != nil {
 		t.Fatal(err)
@@ -170,21 +170,19 @@ func TestFleetJoin(t *testing.T) {
 	checkSeconds(t, secs, "4 instances", 2, 4, 85, 110)
 }
 
-var accuracy = flag.String("accuracy", "", "write the per-second allowed counts of every accuracy variant to this file (for docs/accuracy.md)")
+var accuracy = flag.String("accuracy", "", "append the per-second allowed counts of every accuracy variant to this file (for docs/accuracy.md)")
 
-// TestAccuracyTable measures every variant of docs/accuracy.md on the same
-// load: hybridlimit, each of its issue-4 mechanisms removed, plain local
-// fallback, FailOpen and FailClosed, for even and 80/15/5 load. It takes
-// about 90 s, so it runs only when asked for, by
+// BenchmarkAccuracyTable measures every variant of docs/accuracy.md on the
+// same load: hybridlimit, each of its issue-4 mechanisms removed, plain
+// local fallback, FailOpen and FailClosed, for even and 80/15/5 load. It is
+// a measurement, not a check, and takes about 90 s, so it is a benchmark,
+// run once per variant by
 //
-//	go test -run TestAccuracyTable -accuracy docs/accuracy.tsv .
+//	go test -run '^$' -bench AccuracyTable -benchtime 1x -accuracy docs/accuracy.tsv .
 //
 // The bounds are asserted by TestHandoff, TestReconcile, TestFleetShares
 // and TestFleetJoin, which always run.
-func TestAccuracyTable(t *testing.T) {
-	if *accuracy == "" {
-		t.Skip("a measurement, not a check: run with -accuracy FILE to regenerate docs/accuracy.md")
-	}
+func BenchmarkAccuracyTable(b *testing.B) {
 	uneven := []float64{80, 15, 5}
 	plain := outage{policy: FailLocal, noHandoff: true, noReconcile: true, noFleet: true}
 	plainUneven := plain
@@ -202,9 +200,13 @@ func TestAccuracyTable(t *testing.T) {
 		{policy: FailOpen, weights: uneven},
 		{policy: FailClosed, weights: uneven},
 	} {
-		t.Run(o.String(), func(t *testing.T) {
-			secs := runOutage(t, o)
-			appendAccuracy(t, *accuracy, o, secs)
+		b.Run(o.String(), func(b *testing.B) {
+			for b.Loop() {
+				secs := runOutage(b, o)
+				if *accuracy != "" {
+					appendAccuracy(b, *accuracy, o, secs)
+				}
+			}
 		})
 	}
 }

@@ -29,7 +29,7 @@ type quiet struct{}
 func (quiet) Printf(context.Context, string, ...any) {}
 
 // newLimiter returns a Limiter closed by t.Cleanup, with a per-test prefix.
-func newLimiter(t *testing.T, cfg Config) *Limiter {
+func newLimiter(t testing.TB, cfg Config) *Limiter {
 	t.Helper()
 	if cfg.Prefix == "" {
 		cfg.Prefix = t.Name() + ":"

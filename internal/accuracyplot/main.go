@@ -1,7 +1,7 @@
 // Command accuracyplot draws docs/accuracy.svg from the per-second allowed
-// counts that TestAccuracyTable writes:
+// counts that BenchmarkAccuracyTable writes:
 //
-//	go test -run TestAccuracyTable -accuracy docs/accuracy.tsv .
+//	go test -run BenchmarkAccuracyTable -accuracy docs/accuracy.tsv .
 //	go run ./internal/accuracyplot -in docs/accuracy.tsv -out docs/accuracy.svg
 //
 // One panel for even load and one for 80/15/5 load; Redis is paused from
@@ -26,7 +26,7 @@ type series struct {
 }
 
 func main() {
-	in := flag.String("in", "docs/accuracy.tsv", "per-second counts from TestAccuracyTable")
+	in := flag.String("in", "docs/accuracy.tsv", "per-second counts from BenchmarkAccuracyTable")
 	out := flag.String("out", "docs/accuracy.svg", "the SVG to write")
 	flag.Parse()
 	all, err := read(*in)
@@ -80,7 +80,7 @@ func read(path string) ([]series, error) {
 	return all, sc.Err()
 }
 
-// names gives the variants of TestAccuracyTable the names of docs/accuracy.md
+// names gives the variants of BenchmarkAccuracyTable the names of docs/accuracy.md
 // and one colour each, the same in both panels.
 var names = []struct{ label, name, color string }{
 	{"FailLocal", "hybridlimit (FailLocal)", "#d62728"},
