@@ -57,7 +57,7 @@ func TestKeys(t *testing.T) {
 }
 
 // TestScriptArgs checks that the bare script is sent what hybridlimit
-// sends for the benchmark's limit: q, p, burst, n.
+// sends for the benchmark's limit: q, p, capacity and cost in units.
 func TestScriptArgs(t *testing.T) {
 	got, err := ScriptArgs()
 	if err != nil {

@@ -158,14 +158,15 @@ type script struct {
 }
 
 // ScriptArgs returns the arguments hybridlimit sends after the key for a
-// decision of one token under Rate and Burst: q, p, burst, n.
+// decision of one token under Rate and Burst: q, p, capacity and cost in
+// units.
 func ScriptArgs() ([]string, error) {
 	rl, err := remote.NewLimit(Rate, Burst)
 	if err != nil {
 		return nil, err
 	}
 	return []string{
-		fmt.Sprint(rl.Q), fmt.Sprint(rl.P), fmt.Sprint(rl.Burst), "1",
+		fmt.Sprint(rl.Q), fmt.Sprint(rl.P), fmt.Sprint(rl.Cap()), fmt.Sprint(rl.Units(1)),
 	}, nil
 }
 
@@ -188,7 +189,7 @@ func (s *script) Bind(key string) Decide {
 		if err != nil {
 			return false, err
 		}
-		if len(v) != 6 {
+		if len(v) != 3 {
 			return false, fmt.Errorf("bench: script reply %v", v)
 		}
 		allowed, _ := v[0].(int64)

@@ -7,7 +7,9 @@ import (
 )
 
 // maxExact is the largest integer that Lua's doubles (and float64) hold
-// exactly. Every number the script computes stays at or below it.
+// exactly. Every number the script computes stays at or below it; a
+// bucket's capacity stays below it, so that a cost of one unit more than
+// the capacity is still exact.
 const maxExact = 1 << 53
 
 // ErrInexact is returned by NewLimit for a rate and burst that the script's
@@ -35,7 +37,7 @@ func NewLimit(rate float64, burst int64) (Limit, error) {
 	if !(rate > 0) || math.IsInf(rate, 0) || burst < 1 {
 		return Limit{}, fmt.Errorf("%w: rate %v, burst %d", ErrInexact, rate, burst)
 	}
-	maxP := int64(maxExact) / burst
+	maxP := int64(maxExact-1) / burst
 	if maxP < 1 {
 		return Limit{}, fmt.Errorf("%w: burst %d exceeds 2^53", ErrInexact, burst)
 	}
@@ -80,6 +82,24 @@ func bestFraction(x float64, maxP int64) (q, p int64) {
 		return 0, 0
 	}
 	return h1, k1
+}
+
+// Cap is the bucket's capacity in units: Burst*P, below 2^53.
+func (l Limit) Cap() int64 {
+	return l.Burst * l.P
+}
+
+// Units converts n tokens to units for Take: n*P, saturated just past
+// the capacity either way (a cost above it is refused with RetryAfter -1,
+// a refund beyond it fills the bucket), so that it never overflows.
+func (l Limit) Units(n int64) int64 {
+	switch {
+	case n > l.Burst:
+		return l.Cap() + 1
+	case n < -l.Burst:
+		return -l.Cap() - 1
+	}
+	return n * l.P
 }
 
 // Tokens converts a level in units to tokens, keeping the fraction.

@@ -83,7 +83,7 @@ type call struct {
 	ctx    context.Context
 	key    string
 	lim    Limit
-	n      int64 // tokens to take, or units to charge
+	cost   int64 // units (of 1/lim.P token) to take or charge
 	charge bool  // the script's charge mode
 	sent   atomic.Bool
 	res    Result
@@ -132,7 +132,9 @@ func boundsReads(c redis.UniversalClient) bool {
 	return false
 }
 
-// Take runs the script for key: it takes n tokens if the bucket holds them.
+// Take runs the script for key: it takes n tokens if the bucket holds them
+// (n > lim.Burst never can: RetryAfter is -1); a negative n gives -n tokens
+// back, up to lim.Burst.
 // It returns when Redis answers or ctx ends, whichever is first; after ctx
 // ends the decision may still reach Redis and take tokens there, unless it
 // was still queued, in which case it is dropped unsent.
@@ -142,7 +144,7 @@ func boundsReads(c redis.UniversalClient) bool {
 // exception is NOSCRIPT, which proves the script did not run: the decision
 // is sent again once with the script's source.
 func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result, error) {
-	return p.do(&call{ctx: ctx, key: key, lim: lim, n: n})
+	return p.do(&call{ctx: ctx, key: key, lim: lim, cost: lim.Units(n)})
 }
 
 // Charge takes units (of 1/lim.P token) from key's bucket, after refilling
@@ -151,7 +153,7 @@ func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result
 // Allowed true and the Level left. Like Take, it is sent once and never
 // retried.
 func (p *Pipe) Charge(ctx context.Context, key string, lim Limit, units int64) (Result, error) {
-	return p.do(&call{ctx: ctx, key: key, lim: lim, n: units, charge: true})
+	return p.do(&call{ctx: ctx, key: key, lim: lim, cost: units, charge: true})
 }
 
 // Spend is tokens spent without Redis, for ChargeAll to charge.
@@ -167,7 +169,7 @@ type Spend struct {
 func (p *Pipe) ChargeAll(ctx context.Context, charges []Spend) (failed int) {
 	calls := make([]*call, 0, len(charges))
 	for _, ch := range charges {
-		c := &call{ctx: ctx, key: ch.Key, lim: ch.Limit, n: ch.Units, charge: true,
+		c := &call{ctx: ctx, key: ch.Key, lim: ch.Limit, cost: ch.Units, charge: true,
 			ready: make(chan struct{}, 1)}
 		select {
 		case p.calls <- c:
@@ -412,7 +414,7 @@ func (c *call) finishCmd(cmd noRetryCmd, err error) {
 	case err != nil:
 		c.finish(Result{}, err)
 	default:
-		c.finish(parseReply(cmd.Val()))
+		c.finish(parseReply(cmd.Val(), c.lim, c.cost, c.charge))
 	}
 }
 
@@ -444,17 +446,21 @@ func (p *Pipe) evalCmd(ctx context.Context, verb string, c *call) noRetryCmd {
 		script = takeScript.src
 	}
 	b := p.box(c.lim)
-	if c.charge {
-		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.burst, c.n, "charge")}
+	var cost any = c.cost
+	if c.cost == c.lim.P {
+		cost = b.p // one token, the common case: boxed already
 	}
-	return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.burst, c.n)}
+	if c.charge {
+		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "charge")}
+	}
+	return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost)}
 }
 
 // boxed is a Limit's numbers as the interface values a command's
 // arguments hold, kept so that a decision does not box them again.
 type boxed struct {
-	lim         Limit
-	q, p, burst any
+	lim       Limit
+	q, p, cap any
 }
 
 // box returns lim's numbers boxed, from the last limit boxed if it is the
@@ -463,7 +469,7 @@ func (p *Pipe) box(lim Limit) *boxed {
 	if b := p.boxed.Load(); b != nil && b.lim == lim {
 		return b
 	}
-	b := &boxed{lim: lim, q: lim.Q, p: lim.P, burst: lim.Burst}
+	b := &boxed{lim: lim, q: lim.Q, p: lim.P, cap: lim.Cap()}
 	p.boxed.Store(b)
 	return b
 }

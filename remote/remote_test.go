@@ -3,6 +3,7 @@ package remote
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -160,6 +161,9 @@ func TestScriptRepairsForeignValue(t *testing.T) {
 	}{
 		{"plain string", func(m *miniredis.Miniredis) { m.Set("k", "hello") }},
 		{"negative level", func(m *miniredis.Miniredis) { m.Set("k", "-5 1") }},
+		{"text format of earlier versions", func(m *miniredis.Miniredis) { m.Set("k", "d46e5300 661772c3c2b69 2255100") }},
+		{"22 bytes of another format", func(m *miniredis.Miniredis) { m.Set("k", "\x02"+strings.Repeat("\xff", 21)) }},
+		{"no units per token", func(m *miniredis.Miniredis) { m.Set("k", "\x01"+strings.Repeat("\x00", 21)) }},
 		{"hash", func(m *miniredis.Miniredis) { m.HSet("k", "f", "v") }},
 		{"list", func(m *miniredis.Miniredis) { m.Lpush("k", "v") }},
 	} {

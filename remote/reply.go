@@ -31,31 +31,50 @@ type Result struct {
 	Now int64
 }
 
-// parseReply turns the script's reply into a Result. It uses checked type
-// assertions only: a reply of any other shape is an error, never a panic.
-func parseReply(v any) (Result, error) {
+// parseReply turns the script's reply {flags, level, now} to a call of
+// cost units (charge: in charge mode) on lim's bucket into a Result,
+// computing RetryAfter and ResetAfter from the level: the script leaves
+// what need not be atomic to the client. It uses checked type assertions
+// only: a reply of any other shape is an error, never a panic.
+func parseReply(v any, lim Limit, cost int64, charge bool) (Result, error) {
 	vals, ok := v.([]any)
-	if !ok || len(vals) != 6 {
+	if !ok || len(vals) != 3 {
 		return Result{}, fmt.Errorf("%w: %T of %d values", ErrReply, v, lenOf(v))
 	}
-	var n [6]int64
+	var n [3]int64
 	for i, x := range vals {
 		if n[i], ok = x.(int64); !ok {
 			return Result{}, fmt.Errorf("%w: value %d is %T", ErrReply, i, x)
 		}
 	}
-	allowed, level, retry, reset, repaired, now := n[0], n[1], n[2], n[3], n[4], n[5]
-	if allowed != 0 && allowed != 1 || repaired != 0 && repaired != 1 || level < 0 || reset < 0 {
+	flags, level, now := n[0], n[1], n[2]
+	if lim.Q < 1 || lim.P < 1 {
+		return Result{}, fmt.Errorf("%w: for a zero limit %+v", ErrReply, lim)
+	}
+	capacity := lim.Cap()
+	allowed := flags&1 == 1
+	if flags < 0 || flags > 3 || level < 0 || level > capacity || !allowed && (charge || cost <= level) {
 		return Result{}, fmt.Errorf("%w: %v", ErrReply, n)
 	}
-	return Result{
-		Allowed:    allowed == 1,
+	res := Result{
+		Allowed:    allowed,
 		Level:      level,
-		RetryAfter: micros(retry),
-		ResetAfter: micros(reset),
-		Repaired:   repaired == 1,
+		ResetAfter: micros(ceilDiv(capacity-level, lim.Q)),
+		Repaired:   flags&2 == 2,
 		Now:        now,
-	}, nil
+	}
+	if !allowed {
+		res.RetryAfter = -1
+		if cost <= capacity {
+			res.RetryAfter = micros(ceilDiv(cost-level, lim.Q))
+		}
+	}
+	return res, nil
+}
+
+// ceilDiv returns a/b rounded up, for a >= 0 and b > 0.
+func ceilDiv(a, b int64) int64 {
+	return a/b + min(a%b, 1)
 }
 
 func lenOf(v any) int {

@@ -7,35 +7,74 @@ import (
 )
 
 func TestParseReply(t *testing.T) {
-	ok := []any{int64(1), int64(250000), int64(0), int64(750000), int64(0), int64(1764504000000000)}
-	got, err := parseReply(ok)
-	want := Result{Allowed: true, Level: 250000, ResetAfter: 750 * time.Millisecond, Now: 1764504000000000}
-	if err != nil || got != want {
-		t.Errorf("parseReply(%v) = %+v, %v; want %+v", ok, got, err, want)
+	lim := Limit{Q: 1, P: 100000, Burst: 10} // PerSecond(10): capacity 1,000,000 units
+	const now = 1764504000000000
+	for _, tc := range []struct {
+		name   string
+		reply  []any
+		cost   int64
+		charge bool
+		want   Result
+	}{
+		{"allowed", []any{int64(1), int64(250000), int64(now)}, 100000, false,
+			Result{Allowed: true, Level: 250000, ResetAfter: 750 * time.Millisecond, Now: now}},
+		{"allowed, full", []any{int64(1), int64(1000000), int64(now)}, -100000, false,
+			Result{Allowed: true, Level: 1000000, Now: now}},
+		{"denied", []any{int64(0), int64(250000), int64(now)}, 300000, false,
+			Result{Level: 250000, RetryAfter: 50 * time.Millisecond, ResetAfter: 750 * time.Millisecond, Now: now}},
+		{"denied, one unit more", []any{int64(0), int64(250001), int64(now)}, 300000, false,
+			Result{Level: 250001, RetryAfter: 49999 * time.Microsecond, ResetAfter: 749999 * time.Microsecond, Now: now}},
+		{"denied, never", []any{int64(0), int64(1000000), int64(now)}, 1000001, false,
+			Result{Level: 1000000, RetryAfter: -1, Now: now}},
+		{"repaired", []any{int64(3), int64(900000), int64(now)}, 100000, false,
+			Result{Allowed: true, Level: 900000, ResetAfter: 100 * time.Millisecond, Repaired: true, Now: now}},
+		{"charged", []any{int64(1), int64(0), int64(now)}, 5000000, true,
+			Result{Allowed: true, ResetAfter: time.Second, Now: now}},
+	} {
+		got, err := parseReply(tc.reply, lim, tc.cost, tc.charge)
+		if err != nil || got != tc.want {
+			t.Errorf("%s: parseReply(%v) = %+v, %v; want %+v", tc.name, tc.reply, got, err, tc.want)
+		}
+	}
+	// Rounded up: 3 units a microsecond, 4 missing take 2 µs, not 1.
+	odd := Limit{Q: 3, P: 10, Burst: 1}
+	if got, err := parseReply([]any{int64(0), int64(6), int64(now)}, odd, 10, false); err != nil ||
+		got.RetryAfter != 2*time.Microsecond || got.ResetAfter != 2*time.Microsecond {
+		t.Errorf("parseReply with Q=3 = %+v, %v; want RetryAfter and ResetAfter 2µs", got, err)
 	}
 	for _, bad := range []any{
 		nil, "OK", int64(1), []any{}, []any{int64(1)},
-		[]any{"1", int64(0), int64(0), int64(0), int64(0), int64(0)},
-		[]any{int64(2), int64(0), int64(0), int64(0), int64(0), int64(0)},
-		[]any{int64(1), int64(-1), int64(0), int64(0), int64(0), int64(0)},
-		[]any{int64(1), int64(0), int64(0), int64(0), int64(0), int64(0), int64(0)},
+		[]any{"1", int64(0), int64(0)},
+		[]any{int64(4), int64(0), int64(0)},
+		[]any{int64(-1), int64(0), int64(0)},
+		[]any{int64(1), int64(-1), int64(0)},
+		[]any{int64(1), int64(1000001), int64(0)},
+		[]any{int64(0), int64(200000), int64(0)}, // denied with enough tokens
+		[]any{int64(1), int64(0), int64(0), int64(0)},
 	} {
-		if res, err := parseReply(bad); !errors.Is(err, ErrReply) {
+		if res, err := parseReply(bad, lim, 100000, false); !errors.Is(err, ErrReply) {
 			t.Errorf("parseReply(%#v) = %+v, %v; want ErrReply", bad, res, err)
 		}
 	}
+	if res, err := parseReply([]any{int64(0), int64(0), int64(0)}, lim, 100000, true); !errors.Is(err, ErrReply) {
+		t.Errorf("parseReply of a refused charge = %+v, %v; want ErrReply", res, err)
+	}
+	if res, err := parseReply([]any{int64(1), int64(0), int64(0)}, Limit{}, 1, false); !errors.Is(err, ErrReply) {
+		t.Errorf("parseReply for a zero Limit = %+v, %v; want ErrReply", res, err)
+	}
 }
 
-// FuzzParseReply feeds replies of any shape built from the fuzzer's numbers:
-// parseReply returns a Result or ErrReply, never panics.
+// FuzzParseReply feeds replies of any shape built from the fuzzer's numbers,
+// for any limit and cost: parseReply returns a Result or ErrReply, never
+// panics, and never a negative level, reset or retry other than -1.
 func FuzzParseReply(f *testing.F) {
-	f.Add(uint8(6), int64(1), int64(250000), int64(0), int64(750000), int64(0), int64(1764504000000000))
-	f.Add(uint8(6), int64(0), int64(0), int64(100000), int64(1000000), int64(1), int64(1))
-	f.Add(uint8(6), int64(0), int64(0), int64(-1), int64(1<<62), int64(0), int64(0))
-	f.Add(uint8(3), int64(1), int64(2), int64(3), int64(4), int64(5), int64(6))
-	f.Add(uint8(0x86), int64(1), int64(2), int64(3), int64(4), int64(5), int64(6))
-	f.Fuzz(func(t *testing.T, shape uint8, a, b, c, d, e, g int64) {
-		nums := []int64{a, b, c, d, e, g}
+	f.Add(uint8(3), int64(1), int64(250000), int64(1764504000000000), int64(1), int64(100000), int64(10), int64(100000))
+	f.Add(uint8(3), int64(0), int64(0), int64(1), int64(1), int64(100000), int64(10), int64(1000001))
+	f.Add(uint8(3), int64(3), int64(1), int64(0), int64(0), int64(0), int64(0), int64(0))
+	f.Add(uint8(0x83), int64(1), int64(2), int64(3), int64(1), int64(1), int64(1), int64(1))
+	f.Add(uint8(6), int64(1), int64(2), int64(3), int64(4), int64(5), int64(6), int64(7))
+	f.Fuzz(func(t *testing.T, shape uint8, a, b, c, q, p, burst, cost int64) {
+		nums := []int64{a, b, c}
 		n := int(shape & 7)
 		vals := make([]any, 0, n)
 		for i := 0; i < n; i++ {
@@ -45,15 +84,24 @@ func FuzzParseReply(f *testing.F) {
 			}
 			vals = append(vals, v)
 		}
-		res, err := parseReply(vals)
+		// Limits as NewLimit makes them: Q, P, Burst >= 1, Burst*P below 2^53.
+		lim := Limit{Q: 1 + abs(q)%(1<<20), P: 1 + abs(p)%(1<<20), Burst: 1 + abs(burst)%(1<<12)}
+		res, err := parseReply(vals, lim, cost, shape&0x40 != 0)
 		if err != nil {
 			if !errors.Is(err, ErrReply) {
 				t.Fatalf("parseReply(%v) error %v does not wrap ErrReply", vals, err)
 			}
 			return
 		}
-		if res.Level < 0 || res.ResetAfter < 0 {
-			t.Fatalf("parseReply(%v) = %+v: negative level or reset", vals, res)
+		if res.Level < 0 || res.ResetAfter < 0 || res.RetryAfter < -1 || res.Allowed && res.RetryAfter != 0 {
+			t.Fatalf("parseReply(%v, %+v, %d) = %+v", vals, lim, cost, res)
 		}
 	})
+}
+
+func abs(v int64) int64 {
+	if v < 0 {
+		return -(v + 1)
+	}
+	return v
 }

@@ -67,12 +67,12 @@ func newPlain(rdb *redis.Client, prefix string, l hybridlimit.Limit, instances i
 func (pl *plain) Allow(ctx context.Context, key string) (allowed bool, mode string, err error) {
 	rctx, cancel := context.WithTimeout(ctx, plainTimeout)
 	defer cancel()
-	args := []any{pl.rl.Q, pl.rl.P, pl.rl.Burst, 1}
+	args := []any{pl.rl.Q, pl.rl.P, pl.rl.Cap(), pl.rl.Units(1)}
 	reply, err := tokenBucket.Run(rctx, pl.rdb, []string{pl.prefix + key}, args...).Slice()
-	// The reply is {allowed, level, retry_us, reset_us, repaired, now_us}.
-	if err == nil && len(reply) == 6 {
-		if a, ok := reply[0].(int64); ok {
-			return a == 1, "remote", nil
+	// The reply is {flags, level, now_us}; flags&1 is allowed.
+	if err == nil && len(reply) == 3 {
+		if f, ok := reply[0].(int64); ok {
+			return f&1 == 1, "remote", nil
 		}
 	}
 	return pl.bucket(key).Allow(), "local", nil
