@@ -45,6 +45,48 @@ func TestContenders(t *testing.T) {
 	}
 }
 
+// TestContendersWrite checks that every Redis contender records each
+// decision under the benchmark's limit: its key's value changes with every
+// decision. (At 1e9 per second redis_rate's did not, see Rate.)
+func TestContendersWrite(t *testing.T) {
+	addr := redisAddr(t)
+	ctx := context.Background()
+	for _, c := range Contenders {
+		if !c.Remote {
+			continue
+		}
+		t.Run(c.Name, func(t *testing.T) {
+			cl := redis.NewClient(&redis.Options{Addr: addr})
+			defer cl.Close()
+			inst, err := c.Open(cl)
+			if err != nil {
+				t.Fatalf("Open: %v", err)
+			}
+			defer inst.Close()
+			name := "writecheck-" + c.Name
+			decide := inst.Bind(name)
+			var last string
+			for i := range 3 {
+				if ok, err := decide(ctx); err != nil || !ok {
+					t.Fatalf("decision %d = %v, %v; want allowed", i, ok, err)
+				}
+				keys, err := cl.Keys(ctx, "*"+name+"*").Result()
+				if err != nil || len(keys) != 1 {
+					t.Fatalf("keys for %q = %q, %v; want one", name, keys, err)
+				}
+				v, err := cl.Dump(ctx, keys[0]).Result()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if v == last {
+					t.Errorf("decision %d left %s unchanged", i, keys[0])
+				}
+				last = v
+			}
+		})
+	}
+}
+
 // TestKeys checks the key patterns: one key for all, or one each.
 func TestKeys(t *testing.T) {
 	if got := Keys(Hot, 3); got[0] != got[1] || got[1] != got[2] {
@@ -63,7 +105,7 @@ func TestScriptArgs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := "1000 1 1000000000 1"; strings.Join(got, " ") != want {
+	if want := "1 1 1000000000 1"; strings.Join(got, " ") != want {
 		t.Errorf("ScriptArgs() = %q; want %q", got, want)
 	}
 }
@@ -77,7 +119,7 @@ func TestRedisRateSHA(t *testing.T) {
 	if len(sha) != 40 || sha == remote.Hash() {
 		t.Errorf("RedisRateSHA() = %q; want a SHA1 other than hybridlimit's", sha)
 	}
-	if want := "1000000000 1000000000 1 1"; strings.Join(args, " ") != want {
+	if want := "1000000000 1000000 1 1"; strings.Join(args, " ") != want {
 		t.Errorf("RedisRateSHA() args = %q; want %q", args, want)
 	}
 }
