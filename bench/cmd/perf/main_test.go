@@ -87,3 +87,17 @@ func TestMarkdown(t *testing.T) {
 		}
 	}
 }
+
+// TestPrintable: a binary value is shown escaped, a text one as it is.
+func TestPrintable(t *testing.T) {
+	for in, want := range map[string]string{
+		"312785568.62374401": "312785568.62374401",
+		"\x01\x00\xd4nS":     `"\x01\x00\xd4nS"`,
+		"a|b":                `"a\x7cb"`,
+		"\x06aw\xdf\xbb":     `"\x06aw\xdf\xbb"`,
+	} {
+		if got := printable(in); got != want {
+			t.Errorf("printable(%q) = %s; want %s", in, got, want)
+		}
+	}
+}

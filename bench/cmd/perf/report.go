@@ -41,11 +41,12 @@ func (rep *report) markdown() string {
 	w("quiet machine: the clients and redis-server share the CPU, so anything else running skews the\n")
 	w("comparison. Flags: `-count` passes of the Go benchmarks (5), `-remote-n` decisions per Redis\n")
 	w("benchmark (20000), `-local-n` per in-memory benchmark (1000000), `-rb-n` requests per\n")
-	w("redis-benchmark run (200000), `-mem-keys` (100000), `-bench PATTERN` to run only some Go\n")
+	w("redis-benchmark run (200000), `-rb-runs` runs of each (3, the median kept), `-mem-keys`\n")
+	w("(100000), `-bench PATTERN` to run only some Go\n")
 	w("benchmarks, `-raw FILE` to keep the raw `go test` output (compare two runs with\n")
 	w("`go tool benchstat old.txt new.txt` inside `bench/`), `-skip-redis-benchmark`, `-skip-memory`.\n")
 	w("A smoke run that checks the harness in seconds:\n\n")
-	w("```\ncd bench && go run ./cmd/perf -count 1 -remote-n 500 -local-n 10000 -rb-n 5000 -mem-keys 1000 -out /tmp/perf.md\n```\n\n")
+	w("```\ncd bench && go run ./cmd/perf -count 1 -remote-n 500 -local-n 10000 -rb-n 5000 -rb-runs 1 -mem-keys 1000 -out /tmp/perf.md\n```\n\n")
 	w("One benchmark by hand (it starts its own redis-server):\n\n")
 	w("```\ncd bench && go test -run '^$' -bench 'BenchmarkRemote/contender=hybridlimit/conc=64/keys=hot' -benchtime 20000x -count 5\n```\n\n")
 
@@ -163,7 +164,8 @@ func (rep *report) markdown() string {
 		w("## redis-benchmark: the server's ceiling for each script\n\n")
 		w("`redis-benchmark -n %d -c %d` running EVALSHA of the script directly, after loading it; spread\n", rep.cfg.rbN, rep.cfg.rbConns)
 		w("means 64 keys (`-r 64`). No Go client involved: this is what redis-server itself does with\n")
-		w("each script on this machine, unpipelined and 16 commands deep.\n\n")
+		w("each script on this machine, unpipelined and 16 commands deep. Each row is the run with the\n")
+		w("median requests/s of %d, the runs of all rows interleaved.\n\n", rep.cfg.rbRuns)
 		w("Server CPU is redis-server's user and system time (INFO cpu) per request; µs per call is\n")
 		w("INFO commandstats' `usec_per_call` of EVALSHA (wall time inside the script call).\n\n")
 		w("| script | keys | pipeline | requests/s | p50 | p99 | server CPU per request | µs per call |\n")
@@ -188,7 +190,7 @@ func (rep *report) markdown() string {
 		w("| limiter | value of `rate:mem:0` | encoding | MEMORY USAGE | used_memory growth per key | TTL |\n")
 		w("| --- | --- | --- | --- | --- | --- |\n")
 		for _, mem := range rep.memory {
-			w("| %s | `%s` (%d bytes) | %s | %d B | %.1f B | %.0f s |\n", mem.Contender, mem.Value, len(mem.Value),
+			w("| %s | `%s` (%d bytes) | %s | %d B | %.1f B | %.0f s |\n", mem.Contender, printable(mem.Value), len(mem.Value),
 				mem.Encoding, mem.Usage, mem.PerKey(), mem.TTL)
 		}
 		w("\n")
@@ -206,6 +208,30 @@ func (rep *report) markdown() string {
 }
 
 // quote quotes the arguments that hold spaces, for a shell.
+// printable returns v as it is if it is printable ASCII, else quoted with
+// every other byte as \xNN (hybridlimit's bucket is 22 binary bytes).
+func printable(v string) string {
+	plain := func(c byte) bool { return c >= 0x20 && c <= 0x7e && c != '`' && c != '|' && c != '"' && c != '\\' }
+	quote := false
+	for i := 0; i < len(v); i++ {
+		quote = quote || !plain(v[i])
+	}
+	if !quote {
+		return v
+	}
+	var b strings.Builder
+	b.WriteByte('"')
+	for i := 0; i < len(v); i++ {
+		if plain(v[i]) {
+			b.WriteByte(v[i])
+		} else {
+			fmt.Fprintf(&b, "\\x%02x", v[i])
+		}
+	}
+	b.WriteByte('"')
+	return b.String()
+}
+
 func quote(args []string) []string {
 	q := make([]string, len(args))
 	for i, a := range args {
