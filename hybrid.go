@@ -343,7 +343,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 			return nil
 		}
 	}
-	done, ok := nd.cb.Allow()
+	ticket, ok := nd.cb.Allow()
 	if !ok {
 		lim.fallback(key, n, l, nd, d)
 		return nil
@@ -352,7 +352,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	res, err := nd.pipe.Take(rctx, rkey, rl, n)
 	switch {
 	case err == nil:
-		done(nil)
+		ticket.Done(nil)
 		if res.Repaired {
 			lim.cfg.Logger.Warn("hybridlimit: replaced a foreign value with a full bucket", "key", rkey)
 		}
@@ -366,12 +366,12 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		}
 		return nil
 	case errors.Is(err, remote.ErrClosed):
-		done(breaker.ErrCallerCanceled)
+		ticket.Done(breaker.ErrCallerCanceled)
 		return ErrClosed
 	}
 	if callerEnded(ctx, rctx, err) {
 		// The caller's own context ended: not Redis's fault.
-		done(fmt.Errorf("%w: %w", breaker.ErrCallerCanceled, err))
+		ticket.Done(fmt.Errorf("%w: %w", breaker.ErrCallerCanceled, err))
 		return ctxErr(ctx)
 	}
 	if errors.Is(err, remote.ErrUnanswered) {
@@ -381,13 +381,13 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	if errors.Is(err, remote.ErrReply) || !breaker.IsFailure(err) {
 		// Redis answered, but not with a decision (a script error, a
 		// reply of the wrong shape): the node is healthy, the key is not.
-		done(nil)
+		ticket.Done(nil)
 		lim.cfg.Logger.Error("hybridlimit: remote decision failed", "key", rkey, "err", err)
 		lim.fallback(key, n, l, nd, d)
 		return nil
 	}
 	nd.probe.Store(&probe{key: rkey, rl: rl})
-	done(err)
+	ticket.Done(err)
 	lim.fallback(key, n, l, nd, d)
 	return nil
 }

@@ -45,12 +45,12 @@ func (lim *Limiter) probe(nd *node) {
 	if p == nil {
 		return
 	}
-	done, ok := nd.cb.Allow()
+	ticket, ok := nd.cb.Allow()
 	if !ok {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), lim.cfg.Timeout)
 	defer cancel()
 	_, err := nd.pipe.Charge(ctx, p.key, p.rl, 0)
-	done(err)
+	ticket.Done(err)
 }

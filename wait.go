@@ -90,7 +90,7 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 	if err != nil {
 		return nil
 	}
-	done, ok := nd.cb.Allow()
+	ticket, ok := nd.cb.Allow()
 	if !ok {
 		return nil
 	}
@@ -102,9 +102,9 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 		lim.observe(sent, key, rl, res)
 	}
 	if err != nil && callerEnded(ctx, rctx, err) {
-		done(breaker.ErrCallerCanceled)
+		ticket.Done(breaker.ErrCallerCanceled)
 		return nil
 	}
-	done(err)
+	ticket.Done(err)
 	return nil
 }

@@ -136,27 +136,49 @@ func New(s Settings) *Breaker {
 	return b
 }
 
-// Allow reports whether a remote call may proceed. If it may, done must be
-// called exactly once with the call's error: nil on success, an error marked
-// with ErrCallerCanceled when the caller's context ended (see IsFailure and
-// IsExcluded for how errors count). If it may not, because the breaker is
-// open or all half-open probes are taken, Allow returns nil, false.
+// Ticket is a call that Allow let through. Its Done must be called exactly
+// once with the call's error. A Ticket is a value, so letting a call
+// through allocates only what gobreaker does.
+type Ticket struct {
+	b    *Breaker
+	done func(error)
+	gen  uint64
+}
+
+// Done reports the call's outcome: nil on success, an error marked with
+// ErrCallerCanceled when the caller's context ended (see IsFailure and
+// IsExcluded for how errors count).
+func (t Ticket) Done(err error) {
+	// After a transition gobreaker ignores the results of earlier calls,
+	// but its bookkeeping could still move it from open to half-open
+	// before openUntil; skip the call instead.
+	if t.b.gen.Load() == t.gen {
+		t.done(err)
+	}
+	t.b.notify()
+}
+
+// Allow reports whether a remote call may proceed. If it may, the Ticket's
+// Done must be called exactly once with the call's error. If it may not,
+// because the breaker is open or all half-open probes are taken, Allow
+// returns false and a zero Ticket, which must not be used.
 //
 // While the open period has not elapsed Allow does not lock anything and
 // does not allocate.
-func (b *Breaker) Allow() (done func(err error), ok bool) {
+func (b *Breaker) Allow() (Ticket, bool) {
 	if u := b.openUntil.Load(); u != 0 && int64(time.Since(b.epoch)) < u {
-		return nil, false
+		return Ticket{}, false
 	}
 	cbDone, err := b.cb.Allow()
 	if err != nil {
 		b.notify()
-		return nil, false
+		return Ticket{}, false
 	}
 	gen := b.gen.Load()
 	if b.hasPending.Load() {
-		// If OnStateChange panics, the caller never gets done: give the
-		// call back, or a half-open probe slot would stay taken for good.
+		// If OnStateChange panics, the caller never gets its Ticket: give
+		// the call back, or a half-open probe slot would stay taken for
+		// good.
 		delivered := false
 		defer func() {
 			if !delivered {
@@ -166,15 +188,7 @@ func (b *Breaker) Allow() (done func(err error), ok bool) {
 		b.notify()
 		delivered = true
 	}
-	return func(err error) {
-		// After a transition gobreaker ignores the results of earlier
-		// calls, but its bookkeeping could still move it from open to
-		// half-open before openUntil; skip the call instead.
-		if b.gen.Load() == gen {
-			cbDone(err)
-		}
-		b.notify()
-	}, true
+	return Ticket{b: b, done: cbDone, gen: gen}, true
 }
 
 // State returns the last state the breaker reported. It reads an atomic and

@@ -33,7 +33,7 @@ type serverError string
 func (e serverError) Error() string { return string(e) }
 func (serverError) RedisError()     {}
 
-// call is one step of a run: Allow, then done(err) if Allow let it through.
+// call is one step of a run: Allow, then Done(err) if Allow let it through.
 type call struct {
 	err    error // result of the remote call
 	wantOK bool  // want from Allow
@@ -48,9 +48,9 @@ func run(t *testing.T, cb *Breaker, calls []call) {
 			t.Fatalf("call %d: Allow() ok = %v; want %v", i, ok, c.wantOK)
 		}
 		if ok {
-			done(c.err)
-		} else if done != nil {
-			t.Fatalf("call %d: Allow() = non-nil done, false; want nil done", i)
+			done.Done(c.err)
+		} else if done.b != nil || done.done != nil {
+			t.Fatalf("call %d: Allow() = %+v, false; want a zero Ticket", i, done)
 		}
 		if got := cb.State(); got != c.want {
 			t.Fatalf("call %d (err %v): State() = %v; want %v", i, c.err, got, c.want)
@@ -65,9 +65,9 @@ func trip(t *testing.T, cb *Breaker) {
 }
 
 // allowN takes n calls that must be allowed and returns their done funcs.
-func allowN(t *testing.T, cb *Breaker, n int) []func(error) {
+func allowN(t *testing.T, cb *Breaker, n int) []Ticket {
 	t.Helper()
-	dones := make([]func(error), n)
+	dones := make([]Ticket, n)
 	for i := range dones {
 		done, ok := cb.Allow()
 		if !ok {
@@ -110,7 +110,7 @@ func TestDefaults(t *testing.T) {
 		time.Sleep(d + 1)
 		done := allowN(t, cb, 1)[0] // 1 probe
 		run(t, cb, []call{{nil, false, StateHalfOpen}})
-		done(nil)
+		done.Done(nil)
 		if got := cb.State(); got != StateClosed {
 			t.Fatalf("State() = %v after the probe succeeded; want closed", got)
 		}
@@ -195,18 +195,18 @@ func TestLateResultKeepsOpen(t *testing.T) {
 		// The jitter must leave room after gobreaker's Timeout; it does
 		// but for odds of 1e-9 a draw, so draw again then.
 		var cb *Breaker
-		var late []func(error)
+		var late []Ticket
 		var d time.Duration
 		for range 10 {
 			cb = New(Settings{Failures: 1, OpenFor: openFor, Jitter: 1})
 			late = allowN(t, cb, 2)
-			late[0](errDown)
+			late[0].Done(errDown)
 			if d = time.Until(cb.OpenUntil()); d >= openFor+2 {
 				break
 			}
 		}
 		time.Sleep(openFor + (d-openFor)/2)
-		late[1](nil)
+		late[1].Done(nil)
 		run(t, cb, []call{{nil, false, StateOpen}})
 		time.Sleep(time.Until(cb.OpenUntil()) + 1)
 		run(t, cb, []call{{nil, true, StateClosed}})
@@ -217,7 +217,7 @@ func TestHalfOpen(t *testing.T) {
 	const probes = 3
 	// halfOpen returns a breaker that has just moved to half-open, with all
 	// probes taken.
-	halfOpen := func(t *testing.T) (*Breaker, []func(error)) {
+	halfOpen := func(t *testing.T) (*Breaker, []Ticket) {
 		cb := New(Settings{Failures: 1, OpenFor: time.Second, Jitter: -1, Probes: probes})
 		trip(t, cb)
 		time.Sleep(time.Second + 1)
@@ -229,7 +229,7 @@ func TestHalfOpen(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
 			cb, dones := halfOpen(t)
 			for i, done := range dones {
-				done(nil)
+				done.Done(nil)
 				want := StateHalfOpen
 				if i == len(dones)-1 {
 					want = StateClosed
@@ -243,29 +243,29 @@ func TestHalfOpen(t *testing.T) {
 	t.Run("one fails", func(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
 			cb, dones := halfOpen(t)
-			dones[0](nil)
-			dones[1](errDown)
+			dones[0].Done(nil)
+			dones[1].Done(errDown)
 			if got := cb.State(); got != StateOpen {
 				t.Fatalf("State() = %v after a failed probe; want open", got)
 			}
 			if got, want := cb.OpenUntil(), time.Now().Add(time.Second); !got.Equal(want) {
 				t.Fatalf("OpenUntil() = %v; want %v", got, want)
 			}
-			dones[2](nil) // from before the reopening: ignored
+			dones[2].Done(nil) // from before the reopening: ignored
 			run(t, cb, []call{{nil, false, StateOpen}})
 		})
 	})
 	t.Run("excluded frees its slot", func(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
 			cb, dones := halfOpen(t)
-			dones[0](ErrCallerCanceled)
+			dones[0].Done(ErrCallerCanceled)
 			if got := cb.State(); got != StateHalfOpen {
 				t.Fatalf("State() = %v after an excluded probe; want half-open", got)
 			}
 			dones[0] = allowN(t, cb, 1)[0]
 			run(t, cb, []call{{nil, false, StateHalfOpen}})
 			for _, done := range dones {
-				done(nil)
+				done.Done(nil)
 			}
 			if got := cb.State(); got != StateClosed {
 				t.Fatalf("State() = %v; want closed", got)
@@ -502,7 +502,7 @@ func TestOnStateChangeOutsideLocks(t *testing.T) {
 			// Refused while open or while the one probe is out; once
 			// closed, this call fails and opens the breaker again.
 			if done, ok := cb.Allow(); ok {
-				done(errDown)
+				done.Done(errDown)
 			}
 		},
 	})
@@ -511,11 +511,11 @@ func TestOnStateChangeOutsideLocks(t *testing.T) {
 	go func() {
 		defer close(finished)
 		if done, ok := cb.Allow(); ok {
-			done(errDown)
+			done.Done(errDown)
 		}
 		time.Sleep(openFor + openFor/2)
 		if done, ok := cb.Allow(); ok {
-			done(nil)
+			done.Done(nil)
 		}
 	}()
 	select {
@@ -562,11 +562,11 @@ func TestOnStateChangeInOrder(t *testing.T) {
 				}
 				switch (g + i) % 3 {
 				case 0:
-					done(nil)
+					done.Done(nil)
 				case 1:
-					done(errDown)
+					done.Done(errDown)
 				default:
-					done(ErrCallerCanceled)
+					done.Done(ErrCallerCanceled)
 				}
 			}
 		})
@@ -636,7 +636,7 @@ func TestAllowOpenDoesNotAllocate(t *testing.T) {
 func BenchmarkAllowOpen(b *testing.B) {
 	cb := New(Settings{Failures: 1, OpenFor: time.Hour})
 	if done, ok := cb.Allow(); ok {
-		done(errDown)
+		done.Done(errDown)
 	}
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
@@ -657,7 +657,7 @@ func BenchmarkAllowClosed(b *testing.B) {
 			if !ok {
 				panic("Allow() = false while closed")
 			}
-			done(nil)
+			done.Done(nil)
 		}
 	})
 }

@@ -37,10 +37,14 @@ var (
 // script is a Lua script with its SHA1, which EVALSHA sends.
 type script struct {
 	src, sha string
+	// The commands' first two arguments, boxed once: converting a string
+	// to an interface allocates, and this is done for every decision.
+	evalsha, eval [2]any
 }
 
 func newScript(src string) *script {
-	return &script{src: src, sha: redis.NewScript(src).Hash()}
+	sha := redis.NewScript(src).Hash()
+	return &script{src: src, sha: sha, evalsha: [2]any{"evalsha", sha}, eval: [2]any{"eval", src}}
 }
 
 // The scripts.
@@ -78,7 +82,8 @@ type Pipe struct {
 
 // call is one decision in flight. The worker fills res and err, then sends
 // on ready (buffered, so it never blocks); a caller that gave up never
-// reads it.
+// reads it. Take and Charge reuse calls through callPool, but only once
+// the worker is done with one: after its answer was received.
 type call struct {
 	ctx    context.Context
 	key    string
@@ -89,6 +94,28 @@ type call struct {
 	res    Result
 	err    error
 	ready  chan struct{}
+	// A call sent alone is its own batch, in flight as own; alone points
+	// to own then, so that its caller, giving up, lands it.
+	one   [1]*call
+	own   flight
+	alone *flight
+}
+
+var callPool = sync.Pool{New: func() any { return &call{ready: make(chan struct{}, 1)} }}
+
+// newCall returns a call from callPool, its ready channel empty.
+func newCall(ctx context.Context, key string, lim Limit, cost int64, charge bool) *call {
+	c := callPool.Get().(*call)
+	c.ctx, c.key, c.lim, c.cost, c.charge = ctx, key, lim, cost, charge
+	return c
+}
+
+// release returns c to callPool. Only for a call whose answer was
+// received: nothing else refers to it any more, and ready is empty.
+func (c *call) release() {
+	ready := c.ready
+	*c = call{ready: ready}
+	callPool.Put(c)
 }
 
 // NewPipe returns a Pipe that runs the script through c. For a Redis
@@ -144,7 +171,7 @@ func boundsReads(c redis.UniversalClient) bool {
 // exception is NOSCRIPT, which proves the script did not run: the decision
 // is sent again once with the script's source.
 func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result, error) {
-	return p.do(&call{ctx: ctx, key: key, lim: lim, cost: lim.Units(n)})
+	return p.do(newCall(ctx, key, lim, lim.Units(n), false))
 }
 
 // Charge takes units (of 1/lim.P token) from key's bucket, after refilling
@@ -153,7 +180,7 @@ func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result
 // Allowed true and the Level left. Like Take, it is sent once and never
 // retried.
 func (p *Pipe) Charge(ctx context.Context, key string, lim Limit, units int64) (Result, error) {
-	return p.do(&call{ctx: ctx, key: key, lim: lim, cost: units, charge: true})
+	return p.do(newCall(ctx, key, lim, units, true))
 }
 
 // Spend is tokens spent without Redis, for ChargeAll to charge.
@@ -195,7 +222,18 @@ func (p *Pipe) ChargeAll(ctx context.Context, charges []Spend) (failed int) {
 	return failed
 }
 
+// do sends c, waits for its answer, and releases c if the answer came.
 func (p *Pipe) do(c *call) (Result, error) {
+	res, answered, err := p.doCall(c)
+	if answered {
+		c.release()
+	}
+	return res, err
+}
+
+// doCall sends c and waits; answered reports that c's answer was received,
+// so that nothing refers to c any more.
+func (p *Pipe) doCall(c *call) (res Result, answered bool, err error) {
 	ctx := c.ctx
 	// Alone on an idle pipe, a call is sent at once: on the caller's own
 	// goroutine if the client bounds its reads by the caller's deadline,
@@ -206,41 +244,47 @@ func (p *Pipe) do(c *call) (Result, error) {
 		case p.slots <- struct{}{}:
 			if !p.enter() {
 				<-p.slots
-				return Result{}, ErrClosed
+				return Result{}, true, ErrClosed
 			}
+			c.one[0] = c
 			if p.inline {
-				p.send([]*call{c}) // c.ready stays nil: nobody waits on it
-				return c.res, c.err
+				p.send(c.one[:], &c.own)
+				<-c.ready
+				return c.res, true, c.err
 			}
-			c.ready = make(chan struct{}, 1)
-			go p.send([]*call{c})
+			c.alone = &c.own
+			go p.send(c.one[:], &c.own)
 			return p.await(c)
 		default:
 		}
 	}
-	c.ready = make(chan struct{}, 1)
 	select {
 	case p.calls <- c:
 	case <-ctx.Done():
-		return Result{}, ctx.Err()
+		return Result{}, true, ctx.Err()
 	case <-p.done:
-		return Result{}, ErrClosed
+		return Result{}, true, ErrClosed
 	}
 	return p.await(c)
 }
 
 // await waits for c's answer, its context's end, or Close.
-func (p *Pipe) await(c *call) (Result, error) {
+func (p *Pipe) await(c *call) (res Result, answered bool, err error) {
 	select {
 	case <-c.ready:
-		return c.res, c.err
+		return c.res, true, c.err
 	case <-c.ctx.Done():
-		if c.sent.Load() {
-			return Result{}, fmt.Errorf("%w: %w", ErrUnanswered, c.ctx.Err())
+		if c.alone != nil {
+			// Nobody else waits for this batch: free its slot for the
+			// next, as a batch's timer does at its last deadline.
+			p.land(c.alone)
 		}
-		return Result{}, c.ctx.Err()
+		if c.sent.Load() {
+			return Result{}, false, fmt.Errorf("%w: %w", ErrUnanswered, c.ctx.Err())
+		}
+		return Result{}, false, c.ctx.Err()
 	case <-p.done:
-		return Result{}, ErrClosed
+		return Result{}, false, ErrClosed
 	}
 }
 
@@ -299,27 +343,37 @@ func (p *Pipe) dispatch() {
 			<-p.slots
 			return
 		}
-		go p.send(batch)
+		go p.send(batch, nil)
+	}
+}
+
+// flight is a batch in flight. It holds one of the pipe's slots until
+// land is called, once: when the batch is answered, or when nobody waits
+// for it any more.
+type flight struct{ landed atomic.Bool }
+
+// land frees f's slot, unless it was freed already.
+func (p *Pipe) land(f *flight) {
+	if f.landed.CompareAndSwap(false, true) {
+		<-p.slots
 	}
 }
 
 // send runs one batch and frees its slot when it is answered or when its
-// last caller's deadline has passed, whichever is first. It requires a
-// slot taken and p.wg counted for it.
-func (p *Pipe) send(batch []*call) {
+// callers have given up, whichever is first. For a call sent alone, f is
+// the call's own flight, which its caller lands on giving up; for a
+// dispatcher's batch f is nil, and a timer lands the batch at its last
+// caller's deadline. It requires a slot taken and p.wg counted for it.
+func (p *Pipe) send(batch []*call, f *flight) {
 	defer p.wg.Done()
-	var freed atomic.Bool
-	free := func() {
-		if freed.CompareAndSwap(false, true) {
-			<-p.slots
+	if f == nil {
+		f = new(flight)
+		if deadline, ok := lastDeadline(batch); ok {
+			t := time.AfterFunc(time.Until(deadline), func() { p.land(f) })
+			defer t.Stop()
 		}
 	}
-	defer free()
-	if deadline, ok := lastDeadline(batch); ok && !(p.inline && len(batch) == 1) {
-		t := time.AfterFunc(time.Until(deadline), free)
-		defer t.Stop()
-	}
-	p.run(batch)
+	p.run(batch, f)
 }
 
 // lastDeadline returns the latest deadline of the calls in batch; ok is
@@ -337,57 +391,64 @@ func lastDeadline(batch []*call) (deadline time.Time, ok bool) {
 	return deadline, true
 }
 
-// run sends one batch and answers every call in it.
-func (p *Pipe) run(batch []*call) {
+// run sends one batch, lands f, then answers every call in it. Landing
+// comes first: once answered, a call (and the flight in it) may be reused.
+func (p *Pipe) run(batch []*call, f *flight) {
+	defer func() {
+		p.land(f)
+		for _, c := range batch {
+			c.ready <- struct{}{}
+		}
+	}()
 	// Drop what nobody waits for any more: sending it would spend tokens
 	// for a decision already given up.
-	live := batch[:0]
+	live := 0
 	for _, c := range batch {
 		if err := c.ctx.Err(); err != nil {
-			c.finish(Result{}, err)
+			c.res, c.err = Result{}, err
 			continue
 		}
-		live = append(live, c)
-	}
-	if len(live) == 0 {
-		return
-	}
-	for _, c := range live {
 		c.sent.Store(true)
+		live++
 	}
-	if len(live) == 1 {
+	switch {
+	case live == 0:
+		return
+	case len(batch) == 1:
 		// The caller's own context: a client with ContextTimeoutEnabled
 		// stops reading at its deadline.
-		c := live[0]
-		cmd := p.evalCmd(c.ctx, "evalsha", c)
+		c := batch[0]
+		cmd := p.evalCmd(c.ctx, false, c)
 		err := p.c.Process(c.ctx, cmd)
 		if isNoScript(err) {
-			cmd = p.evalCmd(c.ctx, "eval", c)
+			cmd = p.evalCmd(c.ctx, true, c)
 			err = p.c.Process(c.ctx, cmd)
 		}
-		c.finishCmd(cmd, err)
+		c.result(cmd, err)
 		return
 	}
 
 	// One context for the round trip, ending with the last caller's
 	// deadline.
 	ctx := context.Background()
-	if deadline, ok := lastDeadline(live); ok {
+	if deadline, ok := lastDeadline(batch); ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()
 	}
 
 	pl := p.c.Pipeline()
-	cmds := make([]noRetryCmd, len(live))
-	for i, c := range live {
-		cmds[i] = p.evalCmd(ctx, "evalsha", c)
-		_ = pl.Process(ctx, cmds[i])
+	cmds := make([]noRetryCmd, len(batch))
+	for i, c := range batch {
+		if c.sent.Load() {
+			cmds[i] = p.evalCmd(ctx, false, c)
+			_ = pl.Process(ctx, cmds[i])
+		}
 	}
 	_, _ = pl.Exec(ctx)
 	var again []int
 	for i, cmd := range cmds {
-		if isNoScript(cmd.Err()) {
+		if cmd.Cmd != nil && isNoScript(cmd.Err()) {
 			again = append(again, i)
 		}
 	}
@@ -395,26 +456,29 @@ func (p *Pipe) run(batch []*call) {
 		// The node lost its script cache (restart, failover, SCRIPT FLUSH):
 		// EVAL carries the source and loads it again.
 		for _, i := range again {
-			cmds[i] = p.evalCmd(ctx, "eval", live[i])
+			cmds[i] = p.evalCmd(ctx, true, batch[i])
 			_ = pl.Process(ctx, cmds[i])
 		}
 		_, _ = pl.Exec(ctx)
 	}
-	for i, c := range live {
-		c.finishCmd(cmds[i], cmds[i].Err())
+	for i, c := range batch {
+		if cmds[i].Cmd != nil {
+			c.result(cmds[i], cmds[i].Err())
+		}
 	}
 }
 
-func (c *call) finishCmd(cmd noRetryCmd, err error) {
+// result records cmd's outcome, err, as c's answer, for run to deliver.
+func (c *call) result(cmd noRetryCmd, err error) {
 	switch {
 	case err != nil && isTimeout(err):
 		// The deadline passed with the command written: Redis may still
 		// run it. Reported as the deadline, like a caller that gave up.
-		c.finish(Result{}, fmt.Errorf("%w: %w: %w", ErrUnanswered, context.DeadlineExceeded, err))
+		c.res, c.err = Result{}, fmt.Errorf("%w: %w: %w", ErrUnanswered, context.DeadlineExceeded, err)
 	case err != nil:
-		c.finish(Result{}, err)
+		c.res, c.err = Result{}, err
 	default:
-		c.finish(parseReply(cmd.Val(), c.lim, c.cost, c.charge))
+		c.res, c.err = parseReply(cmd.Val(), c.lim, c.cost, c.charge)
 	}
 }
 
@@ -425,13 +489,6 @@ func isTimeout(err error) bool {
 		errors.As(err, &ne) && ne.Timeout()
 }
 
-func (c *call) finish(res Result, err error) {
-	c.res, c.err = res, err
-	if c.ready != nil {
-		c.ready <- struct{}{}
-	}
-}
-
 // noRetryCmd is a script call that go-redis must never retry: the script
 // may have run before the error, and a retry would take the tokens twice.
 type noRetryCmd struct{ *redis.Cmd }
@@ -439,11 +496,11 @@ type noRetryCmd struct{ *redis.Cmd }
 // NoRetry tells go-redis not to retry the command, whatever MaxRetries says.
 func (noRetryCmd) NoRetry() bool { return true }
 
-// evalCmd returns the EVALSHA (or, with verb "eval", the EVAL) of c.
-func (p *Pipe) evalCmd(ctx context.Context, verb string, c *call) noRetryCmd {
-	script := takeScript.sha
-	if verb == "eval" {
-		script = takeScript.src
+// evalCmd returns the EVALSHA (or, withSource, the EVAL) of c.
+func (p *Pipe) evalCmd(ctx context.Context, withSource bool, c *call) noRetryCmd {
+	verb, script := takeScript.evalsha[0], takeScript.evalsha[1]
+	if withSource {
+		verb, script = takeScript.eval[0], takeScript.eval[1]
 	}
 	b := p.box(c.lim)
 	var cost any = c.cost
