@@ -16,6 +16,8 @@ const probeTick = 20 * time.Millisecond
 // away, and the open period can be short.
 func (lim *Limiter) prober() {
 	defer lim.wg.Done()
+	ctx, cancel := lim.background() // Close ends a probe or charge in flight
+	defer cancel()
 	t := time.NewTicker(probeTick)
 	defer t.Stop()
 	for {
@@ -25,10 +27,10 @@ func (lim *Limiter) prober() {
 			return
 		}
 		if lim.single != nil {
-			lim.probe(lim.single)
+			lim.probe(ctx, lim.single)
 		}
 		for _, nd := range *lim.nodes.Load() {
-			lim.probe(nd)
+			lim.probe(ctx, nd)
 		}
 	}
 }
@@ -37,7 +39,14 @@ func (lim *Limiter) prober() {
 // script, taking nothing, on the last key that failed there. It runs the
 // same code path as a decision, writes included, so a Redis that answers
 // PING but cannot run or write scripts (OOM, READONLY, BUSY) stays open.
-func (lim *Limiter) probe(nd *node) {
+//
+// When the probe succeeds, it charges Redis with the local spending
+// (reconcile) before it reports the success that closes the breaker: once
+// closed, decisions go to buckets that refilled in Redis time all along,
+// and any decision sent before the charge landed would take from a bucket
+// still full. The reconciler charges again, when the breaker has closed,
+// what was spent locally in between.
+func (lim *Limiter) probe(ctx context.Context, nd *node) {
 	if nd.cb.State() != breaker.StateOpen || time.Now().Before(nd.cb.OpenUntil()) {
 		return
 	}
@@ -49,8 +58,11 @@ func (lim *Limiter) probe(nd *node) {
 	if !ok {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), lim.cfg.Timeout)
+	pctx, cancel := context.WithTimeout(ctx, lim.cfg.Timeout)
 	defer cancel()
-	_, err := nd.pipe.Charge(ctx, p.key, p.rl, 0)
+	_, err := nd.pipe.Charge(pctx, p.key, p.rl, 0)
+	if err == nil {
+		lim.reconcile(ctx, nd)
+	}
 	ticket.Done(err)
 }
