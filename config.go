@@ -35,6 +35,8 @@ const (
 	DefaultBreakerJitter = 0.2
 	// DefaultMaxLocalKeys bounds the local buckets held for FailLocal.
 	DefaultMaxLocalKeys = 1_000_000
+	// DefaultLeaseFor is how long leased tokens may be spent (Config.Lease).
+	DefaultLeaseFor = 100 * time.Millisecond
 	// MaxKeyLen is the longest key AllowN accepts, in bytes.
 	MaxKeyLen = 1024
 	// DefaultHeartbeat is how often an instance tells the fleet it is live
@@ -151,6 +153,21 @@ type Config struct {
 	// MaxLocalKeys bounds the local buckets held for FailLocal. Zero means
 	// DefaultMaxLocalKeys.
 	MaxLocalKeys int
+	// Lease, above zero, turns on lease mode, for keys hotter than one
+	// Redis core can serve: a decision sent to Redis also takes up to
+	// Lease more whole tokens, as many as the bucket holds, and the next
+	// decisions on the key spend them here without asking Redis
+	// (ModeLease), until they run out or LeaseFor has passed. Concurrent
+	// decisions that find no lease each take one; they add up. Leased
+	// tokens are taken from the shared bucket, so the fleet never admits
+	// more than the limit allows; but tokens this instance does not spend
+	// within LeaseFor are lost, and while it holds them other instances
+	// may be refused. Zero (the default) turns it off. docs/guide.md, "Hot
+	// keys", has the measured cost.
+	Lease int64
+	// LeaseFor is how long leased tokens may be spent after the request
+	// that leased them was sent. Zero means DefaultLeaseFor.
+	LeaseFor time.Duration
 	// Shadow computes, observes and reports every decision but never
 	// enforces it: a denial is returned with Allowed true and Shadowed true.
 	// Use it to watch what a new limit would deny before turning it on.
@@ -243,6 +260,10 @@ func (cfg *Config) validate() error {
 		return bad("Breaker.Probes must not be negative, got %d", cfg.Breaker.Probes)
 	case cfg.MaxLocalKeys < 0:
 		return bad("MaxLocalKeys must not be negative, got %d", cfg.MaxLocalKeys)
+	case cfg.Lease < 0:
+		return bad("Lease must not be negative, got %d", cfg.Lease)
+	case cfg.LeaseFor < 0:
+		return bad("LeaseFor must not be negative, got %v", cfg.LeaseFor)
 	case cfg.Heartbeat > 0 && cfg.Heartbeat < MinHeartbeat:
 		return bad("Heartbeat must be at least %v (or negative: none), got %v", MinHeartbeat, cfg.Heartbeat)
 	}
@@ -275,6 +296,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.MaxLocalKeys == 0 {
 		cfg.MaxLocalKeys = DefaultMaxLocalKeys
+	}
+	if cfg.LeaseFor == 0 {
+		cfg.LeaseFor = DefaultLeaseFor
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)

@@ -58,6 +58,9 @@ const (
 	ModeFailOpen
 	// ModeFailClosed: Redis could not decide and FailClosed denied.
 	ModeFailClosed
+	// ModeLease: tokens that Redis leased to this instance decided
+	// (Config.Lease).
+	ModeLease
 )
 
 // String returns the mode's name, such as "remote".
@@ -71,12 +74,15 @@ func (m Mode) String() string {
 		return "fail-open"
 	case ModeFailClosed:
 		return "fail-closed"
+	case ModeLease:
+		return "lease"
 	}
 	return fmt.Sprintf("Mode(%d)", int(m))
 }
 
-// Degraded reports whether m is a decision made without Redis.
-func (m Mode) Degraded() bool { return m != ModeRemote }
+// Degraded reports whether m is a decision made without Redis: leased
+// tokens came from Redis, so ModeLease is not degraded.
+func (m Mode) Degraded() bool { return m != ModeRemote && m != ModeLease }
 
 // Decision is the outcome of AllowN.
 type Decision struct {
@@ -85,7 +91,8 @@ type Decision struct {
 	// Remaining is how many whole tokens the deciding bucket holds after
 	// the decision. With PerSecond(10), a fresh key after AllowN(ctx, key, 3)
 	// has Remaining 7. Under ModeLocal it counts this instance's share;
-	// under ModeFailOpen and ModeFailClosed it is 0 (unknown).
+	// under ModeLease the tokens left in this instance's lease; under
+	// ModeFailOpen and ModeFailClosed it is 0 (unknown).
 	Remaining int64
 	// RetryAfter is, when denied, how long until the bucket can hold n
 	// tokens (under ModeFailClosed: until the breaker next probes Redis).
@@ -310,6 +317,14 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (d Decision
 // by the failure policy.
 func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits, d *Decision) error {
 	l, rl := ls.Limit, ls.rl
+	// Tokens leased from Redis are spent first, whether Redis is there
+	// or not: it granted them already.
+	if lim.cfg.Lease > 0 {
+		if left, ok := lim.shares.TakeLease(lim.cfg.now(), key, n); ok {
+			*d = Decision{Allowed: true, Remaining: left, Mode: ModeLease}
+			return nil
+		}
+	}
 	// While the one node is away, decide at once, without building
 	// anything for Redis: this path allocates nothing.
 	if nd := lim.single; nd != nil && nd.cb.State() != breaker.StateClosed {
@@ -349,10 +364,18 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		return nil
 	}
 	sent := lim.cfg.now()
-	res, err := nd.pipe.Take(rctx, rkey, rl, n)
+	var res remote.Result
+	if lim.cfg.Lease > 0 {
+		res, err = nd.pipe.Lease(rctx, rkey, rl, n, lim.cfg.Lease)
+	} else {
+		res, err = nd.pipe.Take(rctx, rkey, rl, n)
+	}
 	switch {
 	case err == nil:
 		ticket.Done(nil)
+		if res.Leased > 0 {
+			lim.shares.Lease(sent, key, res.Leased, sent.Add(lim.cfg.LeaseFor))
+		}
 		if res.Repaired {
 			lim.cfg.Logger.Warn("hybridlimit: replaced a foreign value with a full bucket", "key", rkey)
 		}

@@ -75,6 +75,8 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{"Breaker.Probes", func(c *Config) { c.Breaker.Probes = -1 }},
 		{"MaxLocalKeys", func(c *Config) { c.MaxLocalKeys = -1 }},
 		{"Heartbeat", func(c *Config) { c.Heartbeat = time.Nanosecond }},
+		{"Lease", func(c *Config) { c.Lease = -1 }},
+		{"LeaseFor", func(c *Config) { c.LeaseFor = -time.Second }},
 	}
 	for _, tt := range tests {
 		cfg := ok

@@ -54,8 +54,9 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 }
 
 // Refund gives n tokens back to key's bucket in the path that granted d: to
-// Redis for ModeRemote, to the local share for ModeLocal, and nowhere for
-// the other modes. Use it when a later check rejects what an earlier one
+// Redis for ModeRemote, to the local share for ModeLocal, to the lease for
+// ModeLease (to Redis once the lease has expired), and nowhere for the
+// other modes. Use it when a later check rejects what an earlier one
 // allowed (several limits on one request). It is best-effort: a refund that
 // Redis does not answer within Config.Timeout is lost, and between the
 // grant and the refund other decisions saw fewer tokens. It returns an
@@ -79,6 +80,11 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 	case ModeLocal:
 		lim.shares.Refund(lim.cfg.now(), key, int(n))
 		return nil
+	case ModeLease:
+		// Back to the lease while it is valid; after, to Redis.
+		if lim.shares.RefundLease(lim.cfg.now(), key, n) {
+			return nil
+		}
 	case ModeRemote:
 	default:
 		return nil

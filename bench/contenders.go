@@ -64,6 +64,9 @@ type Contender struct {
 	Name string
 	// Remote reports whether the contender decides in Redis.
 	Remote bool
+	// Leases reports that it takes tokens from Redis in batches, so that
+	// most decisions do not reach Redis.
+	Leases bool
 	// Open returns an instance deciding through rdb (nil for local ones).
 	Open func(rdb redis.UniversalClient) (Instance, error)
 }
@@ -72,6 +75,7 @@ type Contender struct {
 var Contenders = []Contender{
 	{Name: "hybridlimit", Remote: true, Open: openHybrid},
 	{Name: "hybridlimit-ctx", Remote: true, Open: openHybridCtx},
+	{Name: "hybridlimit-lease", Remote: true, Leases: true, Open: openHybridLease},
 	{Name: "script", Remote: true, Open: openScript},
 	{Name: "redis_rate", Remote: true, Open: openRedisRate},
 	{Name: "ulule", Remote: true, Open: openUlule},
@@ -88,6 +92,25 @@ type hybrid struct{ lim *hybridlimit.Limiter }
 
 func openHybrid(rdb redis.UniversalClient) (Instance, error) {
 	return OpenHybrid(rdb, "", hybridlimit.Limit{Rate: Rate, Burst: Burst})
+}
+
+// LeaseTokens is hybridlimit-lease's Config.Lease.
+const LeaseTokens = 100
+
+// openHybridLease is hybridlimit in lease mode: each script call also takes
+// up to LeaseTokens tokens, which the next decisions spend without Redis.
+func openHybridLease(rdb redis.UniversalClient) (Instance, error) {
+	lim, err := hybridlimit.New(hybridlimit.Config{
+		Redis:     rdb,
+		Limit:     hybridlimit.Limit{Rate: Rate, Burst: Burst},
+		Timeout:   time.Second,
+		Heartbeat: -1,
+		Lease:     LeaseTokens,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return hybrid{lim}, nil
 }
 
 // openHybridCtx is hybridlimit on a client of its own with
@@ -143,7 +166,7 @@ func (h hybrid) Bind(key string) Decide {
 		if err != nil {
 			return false, err
 		}
-		if d.Mode != hybridlimit.ModeRemote {
+		if d.Mode != hybridlimit.ModeRemote && d.Mode != hybridlimit.ModeLease {
 			return false, fmt.Errorf("%w: mode %v", errDegraded, d.Mode)
 		}
 		return d.Allowed, nil

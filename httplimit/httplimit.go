@@ -274,7 +274,7 @@ func (m *Middleware) refund(ctx context.Context, grants []grant, items []item) {
 			m.log.ErrorContext(ctx, "httplimit: refund failed", "rule", g.rule.Name, "err", err)
 			continue
 		}
-		if items != nil && (g.d.Mode == hybridlimit.ModeRemote || g.d.Mode == hybridlimit.ModeLocal) {
+		if items != nil && (g.d.Mode == hybridlimit.ModeRemote || g.d.Mode == hybridlimit.ModeLocal || g.d.Mode == hybridlimit.ModeLease) {
 			it := &items[g.item]
 			it.r = min(it.r+g.rule.Cost, it.q)
 		}

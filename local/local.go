@@ -56,12 +56,21 @@ type Shares struct {
 
 // shard is one part of the key space.
 type shard struct {
-	mu    sync.Mutex // protects m and every field of its entries
-	m     map[string]*bucket
-	max   int        // most entries m may hold; at least 1
-	epoch *time.Time // the Shares' epoch
+	mu     sync.Mutex // protects m, leases and every field of their entries
+	m      map[string]*bucket
+	leases map[string]lease // nil until the first lease; at most max entries
+	max    int              // most entries m may hold; at least 1
+	epoch  *time.Time       // the Shares' epoch
 
-	_ [32]byte // pads a shard to 64 bytes on 64-bit platforms, a cache line
+	_ [24]byte // pads a shard to 64 bytes on 64-bit platforms, a cache line
+}
+
+// lease is the whole tokens Redis leased to this instance for a key
+// (Config.Lease) and not spent yet, valid until until. Leases live apart
+// from the buckets, so that a bucket costs nothing more without them.
+type lease struct {
+	tokens int64
+	until  mono
 }
 
 // bucket is what this instance knows of one key: its local limiter, if a
@@ -305,6 +314,86 @@ func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key s
 	}
 }
 
+// TakeLease takes n tokens from key's lease if it holds n and is still
+// valid at now, and returns the tokens left in it. It does not allocate.
+func (s *Shares) TakeLease(now time.Time, key string, n int64) (left int64, ok bool) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	l, found := sh.leases[key]
+	switch {
+	case !found:
+		return 0, false
+	case s.mono(now) >= l.until:
+		delete(sh.leases, key)
+		return 0, false
+	case l.tokens < n:
+		return 0, false
+	}
+	l.tokens -= n
+	sh.leases[key] = l
+	return l.tokens, true
+}
+
+// Lease records that Redis leased tokens of key to this instance, to be
+// spent until until. They add to what is left of a lease still valid at
+// now (concurrent decisions each lease), and the whole lease is then valid
+// until until. A full shard drops its expired leases first; if it is still
+// full, the tokens are not kept: never more than Redis granted, at worst
+// fewer.
+func (s *Shares) Lease(now time.Time, key string, tokens int64, until time.Time) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if sh.leases == nil {
+		sh.leases = make(map[string]lease)
+	}
+	l, found := sh.leases[key]
+	end := s.mono(until)
+	switch {
+	case !found:
+		if len(sh.leases) >= sh.max {
+			sh.dropLeases(s.mono(now))
+			if len(sh.leases) >= sh.max {
+				return
+			}
+		}
+		key = strings.Clone(key)
+	case s.mono(now) < l.until:
+		tokens += l.tokens
+		end = max(end, l.until)
+	}
+	sh.leases[key] = lease{tokens, end}
+}
+
+// RefundLease gives n tokens back to key's lease, if it is still valid at
+// now, and reports whether it did.
+func (s *Shares) RefundLease(now time.Time, key string, n int64) bool {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	l, found := sh.leases[key]
+	if !found || s.mono(now) >= l.until {
+		return false
+	}
+	l.tokens += n
+	sh.leases[key] = l
+	return true
+}
+
+// dropLeases drops the leases expired at now and returns how many.
+// dropLeases requires that sh.mu is held.
+func (sh *shard) dropLeases(now mono) int {
+	n := 0
+	for k, l := range sh.leases {
+		if now >= l.until {
+			delete(sh.leases, k)
+			n++
+		}
+	}
+	return n
+}
+
 // Refund gives n tokens back to key's local bucket, up to its burst. A key
 // without a local bucket is left alone.
 func (s *Shares) Refund(now time.Time, key string, n int) {
@@ -322,8 +411,8 @@ func (s *Shares) Refund(now time.Time, key string, n int) {
 	}
 }
 
-// Sweep drops every bucket that is full at now and returns how many it
-// dropped. A dropped full bucket and a new full one are the same state, so
+// Sweep drops every bucket that is full at now, and every lease expired at
+// now, and returns how many buckets it dropped. A dropped full bucket and a new full one are the same state, so
 // dropping loses nothing, except that a call that found the bucket just
 // before it was dropped takes from the dropped one.
 //
@@ -336,6 +425,7 @@ func (s *Shares) Sweep(now time.Time) int {
 		sh := &s.shards[i]
 		sh.mu.Lock()
 		dropped += sh.dropFull(now)
+		sh.dropLeases(s.mono(now))
 		sh.mu.Unlock()
 	}
 	return dropped

@@ -7,12 +7,17 @@
 -- ARGV[3]  cap: capacity in units, burst * p (integer, below 2^53)
 -- ARGV[4]  cost: units to take; a negative cost gives units back (a
 --          refund), up to cap
--- ARGV[5]  optional, "charge": take cost without refusing, never below
---          zero. When Redis comes back after an outage, each instance
---          charges the bucket, which refilled in Redis time all along, with
---          what it spent on its local share meanwhile; a charge of 0 is the
+-- ARGV[5]  optional mode:
+--          "charge": take cost without refusing, never below zero. When
+--          Redis comes back after an outage, each instance charges the
+--          bucket, which refilled in Redis time all along, with what it
+--          spent on its local share meanwhile; a charge of 0 is the
 --          breaker's probe, which runs and writes like a decision but takes
 --          nothing.
+--          "lease": if cost is allowed, also take up to ARGV[6] more units
+--          (a multiple of p), in whole tokens, for the client to spend
+--          without asking again (Config.Lease, for keys hotter than one
+--          Redis core can serve).
 --
 -- The client does the multiplications (cap and cost in units) and computes
 -- RetryAfter and ResetAfter from the reply: this script runs on the one
@@ -39,7 +44,8 @@
 -- bucket and reported.
 --
 -- Returns {flags, level, now_us}: flags is 1 if allowed, plus 2 if the
--- value was repaired; level is what the bucket holds after the call.
+-- value was repaired; level is what the bucket holds after the call. In
+-- lease mode a fourth value is the units leased beyond cost.
 
 local key = KEYS[1]
 local q = tonumber(ARGV[1])
@@ -115,7 +121,9 @@ if raw then
   end
 end
 
-if ARGV[5] == 'charge' then
+local mode = ARGV[5]
+local leased = 0
+if mode == 'charge' then
   flags = flags + 1
   level = level - cost
   if level < 0 then
@@ -128,11 +136,18 @@ elseif cost <= level then
   if level > cap then
     level = cap
   end
+  if mode == 'lease' then
+    leased = math.min(tonumber(ARGV[6]), level - level % p)
+    level = level - leased
+  end
   write = true
 end
 if write then
   -- Expire one second after the bucket would be full again.
   redis.call('SET', key, codec.pack('>BI7I7I7', 1, level, now, p),
     'PX', math.ceil((cap - level) / q / 1000) + 1000)
+end
+if mode == 'lease' then
+  return {flags, level, now, leased}
 end
 return {flags, level, now}

@@ -20,7 +20,7 @@
 //
 //   - hybridlimit.limiter: Config.Name ("default" when unset);
 //   - hybridlimit.mode: who decided, as Mode.String prints it: "remote",
-//     "local", "fail-open" or "fail-closed";
+//     "local", "fail-open", "fail-closed" or "lease";
 //   - hybridlimit.outcome: "allowed", "denied", or "shadowed" for a denial
 //     that Config.Shadow let through;
 //   - hybridlimit.node: the Redis node's address;

@@ -85,15 +85,16 @@ type Pipe struct {
 // reads it. Take and Charge reuse calls through callPool, but only once
 // the worker is done with one: after its answer was received.
 type call struct {
-	ctx    context.Context
-	key    string
-	lim    Limit
-	cost   int64 // units (of 1/lim.P token) to take or charge
-	charge bool  // the script's charge mode
-	sent   atomic.Bool
-	res    Result
-	err    error
-	ready  chan struct{}
+	ctx   context.Context
+	key   string
+	lim   Limit
+	cost  int64 // units (of 1/lim.P token) to take or charge
+	mode  mode  // the script's mode
+	extra int64 // lease mode: units to lease beyond cost, at most
+	sent  atomic.Bool
+	res   Result
+	err   error
+	ready chan struct{}
 	// A call sent alone is its own batch, in flight as own; alone points
 	// to own then, so that its caller, giving up, lands it.
 	one   [1]*call
@@ -101,12 +102,21 @@ type call struct {
 	alone *flight
 }
 
+// mode is the script's mode for a call.
+type mode uint8
+
+const (
+	modeTake   mode = iota // take cost units if the bucket holds them
+	modeCharge             // take cost units, never refusing, never below zero
+	modeLease              // take cost units, and up to extra more
+)
+
 var callPool = sync.Pool{New: func() any { return &call{ready: make(chan struct{}, 1)} }}
 
 // newCall returns a call from callPool, its ready channel empty.
-func newCall(ctx context.Context, key string, lim Limit, cost int64, charge bool) *call {
+func newCall(ctx context.Context, key string, lim Limit, cost int64, m mode) *call {
 	c := callPool.Get().(*call)
-	c.ctx, c.key, c.lim, c.cost, c.charge = ctx, key, lim, cost, charge
+	c.ctx, c.key, c.lim, c.cost, c.mode = ctx, key, lim, cost, m
 	return c
 }
 
@@ -171,7 +181,16 @@ func boundsReads(c redis.UniversalClient) bool {
 // exception is NOSCRIPT, which proves the script did not run: the decision
 // is sent again once with the script's source.
 func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result, error) {
-	return p.do(newCall(ctx, key, lim, lim.Units(n), false))
+	return p.do(newCall(ctx, key, lim, lim.Units(n), modeTake))
+}
+
+// Lease is Take, and if the n tokens are taken, also takes up to extra
+// more whole tokens, as many as the bucket holds, for the caller to spend
+// without asking Redis again; Result.Leased says how many.
+func (p *Pipe) Lease(ctx context.Context, key string, lim Limit, n, extra int64) (Result, error) {
+	c := newCall(ctx, key, lim, lim.Units(n), modeLease)
+	c.extra = lim.Units(max(extra, 0))
+	return p.do(c)
 }
 
 // Charge takes units (of 1/lim.P token) from key's bucket, after refilling
@@ -180,7 +199,7 @@ func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result
 // Allowed true and the Level left. Like Take, it is sent once and never
 // retried.
 func (p *Pipe) Charge(ctx context.Context, key string, lim Limit, units int64) (Result, error) {
-	return p.do(newCall(ctx, key, lim, units, true))
+	return p.do(newCall(ctx, key, lim, units, modeCharge))
 }
 
 // Spend is tokens spent without Redis, for ChargeAll to charge.
@@ -196,7 +215,7 @@ type Spend struct {
 func (p *Pipe) ChargeAll(ctx context.Context, charges []Spend) (failed int) {
 	calls := make([]*call, 0, len(charges))
 	for _, ch := range charges {
-		c := &call{ctx: ctx, key: ch.Key, lim: ch.Limit, cost: ch.Units, charge: true,
+		c := &call{ctx: ctx, key: ch.Key, lim: ch.Limit, cost: ch.Units, mode: modeCharge,
 			ready: make(chan struct{}, 1)}
 		select {
 		case p.calls <- c:
@@ -478,7 +497,7 @@ func (c *call) result(cmd noRetryCmd, err error) {
 	case err != nil:
 		c.res, c.err = Result{}, err
 	default:
-		c.res, c.err = parseReply(cmd.Val(), c.lim, c.cost, c.charge)
+		c.res, c.err = parseReply(cmd.Val(), c.lim, c.cost, c.mode)
 	}
 }
 
@@ -507,8 +526,11 @@ func (p *Pipe) evalCmd(ctx context.Context, withSource bool, c *call) noRetryCmd
 	if c.cost == c.lim.P {
 		cost = b.p // one token, the common case: boxed already
 	}
-	if c.charge {
+	switch c.mode {
+	case modeCharge:
 		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "charge")}
+	case modeLease:
+		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "lease", c.extra)}
 	}
 	return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost)}
 }

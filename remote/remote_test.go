@@ -393,3 +393,31 @@ func TestInline(t *testing.T) {
 		t.Errorf("allowed %d of 300 on a bucket of 100; want 100", allowed.Load())
 	}
 }
+
+func TestLease(t *testing.T) {
+	m, p := newMini(t)
+	lim := mustLimit(t, 10, 10)
+	ctx := context.Background()
+	for i, tc := range []struct {
+		at      time.Duration
+		n       int64
+		extra   int64
+		allowed bool
+		leased  int64
+		level   int64 // units left
+		retry   time.Duration
+	}{
+		{0, 1, 4, true, 4, 5 * lim.P, 0},                      // a fresh bucket: 1 taken, 4 leased
+		{0, 2, 4, true, 3, 0, 0},                              // only 3 whole tokens beyond the 2
+		{0, 1, 4, false, 0, 0, 100 * time.Millisecond},        // empty: denied, nothing leased
+		{250 * time.Millisecond, 1, 4, true, 1, lim.P / 2, 0}, // 2.5 refilled: 1 taken, 1 whole leased, half left
+		{250 * time.Millisecond, 1, 0, false, 0, lim.P / 2, 50 * time.Millisecond},
+	} {
+		m.SetTime(t0.Add(tc.at))
+		res, err := p.Lease(ctx, "k", lim, tc.n, tc.extra)
+		if err != nil || res.Allowed != tc.allowed || res.Leased != tc.leased || res.Level != tc.level || res.RetryAfter != tc.retry {
+			t.Errorf("step %d: Lease(%d, %d) at %v = %+v, %v; want allowed %v, leased %d, level %d, retry %v",
+				i, tc.n, tc.extra, tc.at, res, err, tc.allowed, tc.leased, tc.level, tc.retry)
+		}
+	}
+}

@@ -29,32 +29,40 @@ type Result struct {
 	Repaired bool
 	// Now is Redis TIME when the script ran, in microseconds since the epoch.
 	Now int64
+	// Leased is, for Lease, the whole tokens taken beyond n.
+	Leased int64
 }
 
-// parseReply turns the script's reply {flags, level, now} to a call of
-// cost units (charge: in charge mode) on lim's bucket into a Result,
+// parseReply turns the script's reply {flags, level, now} (and leased, in
+// lease mode) to a call of cost units in mode m on lim's bucket into a
+// Result,
 // computing RetryAfter and ResetAfter from the level: the script leaves
 // what need not be atomic to the client. It uses checked type assertions
 // only: a reply of any other shape is an error, never a panic.
-func parseReply(v any, lim Limit, cost int64, charge bool) (Result, error) {
+func parseReply(v any, lim Limit, cost int64, m mode) (Result, error) {
+	want := 3
+	if m == modeLease {
+		want = 4
+	}
 	vals, ok := v.([]any)
-	if !ok || len(vals) != 3 {
+	if !ok || len(vals) != want {
 		return Result{}, fmt.Errorf("%w: %T of %d values", ErrReply, v, lenOf(v))
 	}
-	var n [3]int64
+	var n [4]int64
 	for i, x := range vals {
 		if n[i], ok = x.(int64); !ok {
 			return Result{}, fmt.Errorf("%w: value %d is %T", ErrReply, i, x)
 		}
 	}
-	flags, level, now := n[0], n[1], n[2]
+	flags, level, now, leased := n[0], n[1], n[2], n[3]
 	if lim.Q < 1 || lim.P < 1 {
 		return Result{}, fmt.Errorf("%w: for a zero limit %+v", ErrReply, lim)
 	}
 	capacity := lim.Cap()
 	allowed := flags&1 == 1
-	if flags < 0 || flags > 3 || level < 0 || level > capacity || !allowed && (charge || cost <= level) {
-		return Result{}, fmt.Errorf("%w: %v", ErrReply, n)
+	if flags < 0 || flags > 3 || level < 0 || level > capacity || !allowed && (m == modeCharge || cost <= level) ||
+		leased < 0 || leased%lim.P != 0 || leased > capacity || !allowed && leased != 0 {
+		return Result{}, fmt.Errorf("%w: %v", ErrReply, n[:want])
 	}
 	res := Result{
 		Allowed:    allowed,
@@ -62,6 +70,7 @@ func parseReply(v any, lim Limit, cost int64, charge bool) (Result, error) {
 		ResetAfter: micros(ceilDiv(capacity-level, lim.Q)),
 		Repaired:   flags&2 == 2,
 		Now:        now,
+		Leased:     leased / lim.P,
 	}
 	if !allowed {
 		res.RetryAfter = -1

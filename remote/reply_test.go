@@ -10,35 +10,39 @@ func TestParseReply(t *testing.T) {
 	lim := Limit{Q: 1, P: 100000, Burst: 10} // PerSecond(10): capacity 1,000,000 units
 	const now = 1764504000000000
 	for _, tc := range []struct {
-		name   string
-		reply  []any
-		cost   int64
-		charge bool
-		want   Result
+		name  string
+		reply []any
+		cost  int64
+		mode  mode
+		want  Result
 	}{
-		{"allowed", []any{int64(1), int64(250000), int64(now)}, 100000, false,
+		{"allowed", []any{int64(1), int64(250000), int64(now)}, 100000, modeTake,
 			Result{Allowed: true, Level: 250000, ResetAfter: 750 * time.Millisecond, Now: now}},
-		{"allowed, full", []any{int64(1), int64(1000000), int64(now)}, -100000, false,
+		{"allowed, full", []any{int64(1), int64(1000000), int64(now)}, -100000, modeTake,
 			Result{Allowed: true, Level: 1000000, Now: now}},
-		{"denied", []any{int64(0), int64(250000), int64(now)}, 300000, false,
+		{"denied", []any{int64(0), int64(250000), int64(now)}, 300000, modeTake,
 			Result{Level: 250000, RetryAfter: 50 * time.Millisecond, ResetAfter: 750 * time.Millisecond, Now: now}},
-		{"denied, one unit more", []any{int64(0), int64(250001), int64(now)}, 300000, false,
+		{"denied, one unit more", []any{int64(0), int64(250001), int64(now)}, 300000, modeTake,
 			Result{Level: 250001, RetryAfter: 49999 * time.Microsecond, ResetAfter: 749999 * time.Microsecond, Now: now}},
-		{"denied, never", []any{int64(0), int64(1000000), int64(now)}, 1000001, false,
+		{"denied, never", []any{int64(0), int64(1000000), int64(now)}, 1000001, modeTake,
 			Result{Level: 1000000, RetryAfter: -1, Now: now}},
-		{"repaired", []any{int64(3), int64(900000), int64(now)}, 100000, false,
+		{"repaired", []any{int64(3), int64(900000), int64(now)}, 100000, modeTake,
 			Result{Allowed: true, Level: 900000, ResetAfter: 100 * time.Millisecond, Repaired: true, Now: now}},
-		{"charged", []any{int64(1), int64(0), int64(now)}, 5000000, true,
+		{"charged", []any{int64(1), int64(0), int64(now)}, 5000000, modeCharge,
 			Result{Allowed: true, ResetAfter: time.Second, Now: now}},
+		{"leased", []any{int64(1), int64(150000), int64(now), int64(700000)}, 100000, modeLease,
+			Result{Allowed: true, Level: 150000, ResetAfter: 850 * time.Millisecond, Now: now, Leased: 7}},
+		{"lease denied", []any{int64(0), int64(50000), int64(now), int64(0)}, 100000, modeLease,
+			Result{Level: 50000, RetryAfter: 50 * time.Millisecond, ResetAfter: 950 * time.Millisecond, Now: now}},
 	} {
-		got, err := parseReply(tc.reply, lim, tc.cost, tc.charge)
+		got, err := parseReply(tc.reply, lim, tc.cost, tc.mode)
 		if err != nil || got != tc.want {
 			t.Errorf("%s: parseReply(%v) = %+v, %v; want %+v", tc.name, tc.reply, got, err, tc.want)
 		}
 	}
 	// Rounded up: 3 units a microsecond, 4 missing take 2 µs, not 1.
 	odd := Limit{Q: 3, P: 10, Burst: 1}
-	if got, err := parseReply([]any{int64(0), int64(6), int64(now)}, odd, 10, false); err != nil ||
+	if got, err := parseReply([]any{int64(0), int64(6), int64(now)}, odd, 10, modeTake); err != nil ||
 		got.RetryAfter != 2*time.Microsecond || got.ResetAfter != 2*time.Microsecond {
 		t.Errorf("parseReply with Q=3 = %+v, %v; want RetryAfter and ResetAfter 2µs", got, err)
 	}
@@ -52,14 +56,24 @@ func TestParseReply(t *testing.T) {
 		[]any{int64(0), int64(200000), int64(0)}, // denied with enough tokens
 		[]any{int64(1), int64(0), int64(0), int64(0)},
 	} {
-		if res, err := parseReply(bad, lim, 100000, false); !errors.Is(err, ErrReply) {
+		if res, err := parseReply(bad, lim, 100000, modeTake); !errors.Is(err, ErrReply) {
 			t.Errorf("parseReply(%#v) = %+v, %v; want ErrReply", bad, res, err)
 		}
 	}
-	if res, err := parseReply([]any{int64(0), int64(0), int64(0)}, lim, 100000, true); !errors.Is(err, ErrReply) {
+	for _, bad := range []any{
+		[]any{int64(1), int64(0), int64(0)},                    // no leased value
+		[]any{int64(1), int64(0), int64(0), int64(-100000)},    // negative
+		[]any{int64(1), int64(0), int64(0), int64(150000)},     // not whole tokens
+		[]any{int64(0), int64(50000), int64(0), int64(100000)}, // leased on a denial
+	} {
+		if res, err := parseReply(bad, lim, 100000, modeLease); !errors.Is(err, ErrReply) {
+			t.Errorf("parseReply(%#v) in lease mode = %+v, %v; want ErrReply", bad, res, err)
+		}
+	}
+	if res, err := parseReply([]any{int64(0), int64(0), int64(0)}, lim, 100000, modeCharge); !errors.Is(err, ErrReply) {
 		t.Errorf("parseReply of a refused charge = %+v, %v; want ErrReply", res, err)
 	}
-	if res, err := parseReply([]any{int64(1), int64(0), int64(0)}, Limit{}, 1, false); !errors.Is(err, ErrReply) {
+	if res, err := parseReply([]any{int64(1), int64(0), int64(0)}, Limit{}, 1, modeTake); !errors.Is(err, ErrReply) {
 		t.Errorf("parseReply for a zero Limit = %+v, %v; want ErrReply", res, err)
 	}
 }
@@ -73,6 +87,7 @@ func FuzzParseReply(f *testing.F) {
 	f.Add(uint8(3), int64(3), int64(1), int64(0), int64(0), int64(0), int64(0), int64(0))
 	f.Add(uint8(0x83), int64(1), int64(2), int64(3), int64(1), int64(1), int64(1), int64(1))
 	f.Add(uint8(6), int64(1), int64(2), int64(3), int64(4), int64(5), int64(6), int64(7))
+	f.Add(uint8(0x44), int64(1), int64(0), int64(3), int64(1), int64(1), int64(10), int64(1))
 	f.Fuzz(func(t *testing.T, shape uint8, a, b, c, q, p, burst, cost int64) {
 		nums := []int64{a, b, c}
 		n := int(shape & 7)
@@ -86,14 +101,14 @@ func FuzzParseReply(f *testing.F) {
 		}
 		// Limits as NewLimit makes them: Q, P, Burst >= 1, Burst*P below 2^53.
 		lim := Limit{Q: 1 + abs(q)%(1<<20), P: 1 + abs(p)%(1<<20), Burst: 1 + abs(burst)%(1<<12)}
-		res, err := parseReply(vals, lim, cost, shape&0x40 != 0)
+		res, err := parseReply(vals, lim, cost, mode(shape>>5&3))
 		if err != nil {
 			if !errors.Is(err, ErrReply) {
 				t.Fatalf("parseReply(%v) error %v does not wrap ErrReply", vals, err)
 			}
 			return
 		}
-		if res.Level < 0 || res.ResetAfter < 0 || res.RetryAfter < -1 || res.Allowed && res.RetryAfter != 0 {
+		if res.Level < 0 || res.ResetAfter < 0 || res.RetryAfter < -1 || res.Allowed && res.RetryAfter != 0 || res.Leased < 0 {
 			t.Fatalf("parseReply(%v, %+v, %d) = %+v", vals, lim, cost, res)
 		}
 	})

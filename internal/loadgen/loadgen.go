@@ -31,7 +31,7 @@ import (
 )
 
 // Decide makes one decision for key. mode is a short name of the path that
-// decided, such as "remote", "local", "fail-open" or "fail-closed"; it is
+// decided, such as "remote", "local", "fail-open", "fail-closed" or "lease"; it is
 // ignored when err is not nil.
 type Decide func(ctx context.Context, key string) (allowed bool, mode string, err error)
 

@@ -81,6 +81,10 @@ func (rep *report) markdown() string {
 	w("- **hybridlimit**: `Limiter.Allow` with `Limit{Rate: 1e6, Burst: 1e9}`, `Timeout` 1 s,\n")
 	w("  `Heartbeat` -1 (no heartbeat traffic), the rest default. A decision not made by Redis\n")
 	w("  (`Mode` other than `ModeRemote`) fails the run.\n")
+	w("- **hybridlimit-lease**: hybridlimit with `Lease: %d` (lease mode, off by default): a script\n", bench.LeaseTokens)
+	w("  call takes up to %d tokens more, which the next decisions on the key spend without Redis\n", bench.LeaseTokens)
+	w("  (`ModeLease`). For keys hotter than one Redis core can serve; its cost in accuracy is in\n")
+	w("  docs/guide.md, \"Hot keys\".\n")
 	w("- **script**: go-redis `Script.Run` (EVALSHA, EVAL on NOSCRIPT) of hybridlimit's own\n")
 	w("  `lua/tokenbucket.lua`, with the arguments hybridlimit sends (q, p, capacity and cost from\n")
 	w("  `remote.NewLimit`) built once per key: the floor for one round trip per decision.\n")
@@ -373,6 +377,18 @@ func (rep *report) targets() []target {
 		}
 		ts = append(ts, target{name, thousands(h) + " vs " + thousands(r) + " requests/s",
 			fmt.Sprintf("%.2f", h/r), "≥ 1.00", judge(h/r >= 1)})
+	}
+	// Hot keys: where the default path stops, beside lease mode and the
+	// script's own ceiling on one key.
+	if h, ok1 := med("hybridlimit", 256, bench.Hot, "dec/s"); ok1 {
+		if c, ok2 := rep.ceiling("hybridlimit", bench.Hot, 16); ok2 {
+			ts = append(ts, target{"hot key, 256 goroutines: default path beside the script's -P 16 ceiling on one key",
+				thousands(h) + " dec/s vs " + thousands(c) + " requests/s", fmt.Sprintf("%.2f", h/c), "(for information)", ""})
+		}
+		if l, ok2 := med("hybridlimit-lease", 256, bench.Hot, "dec/s"); ok2 {
+			ts = append(ts, target{fmt.Sprintf("hot key, 256 goroutines: lease mode (Lease %d) beside the default path", bench.LeaseTokens),
+				thousands(l) + " vs " + thousands(h) + " dec/s", fmt.Sprintf("%.1f", l/h), "(for information)", ""})
+		}
 	}
 	var hm, rm *bench.Memory
 	for i := range rep.memory {

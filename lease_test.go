@@ -1,0 +1,205 @@
+package hybridlimit
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/hybridlimit/hybridlimit/internal/loadgen"
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
+)
+
+// evalshaCalls returns how many EVALSHA the server has run.
+func evalshaCalls(t testing.TB, srv *redistest.Server) int64 {
+	t.Helper()
+	info, _ := srv.Do(t, "INFO", "commandstats").(string)
+	for _, line := range strings.Split(info, "\r\n") {
+		if rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:calls="); ok {
+			n, err := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
+			if err != nil {
+				t.Fatalf("commandstats line %q: %v", line, err)
+			}
+			return n
+		}
+	}
+	return 0
+}
+
+// TestLeaseExactCounts: with leases, 3 instances × 16 goroutines still
+// admit exactly 1000 of 3200 from a bucket of 1000 (leased tokens are taken
+// from it), with a fraction of the script calls.
+func TestLeaseExactCounts(t *testing.T) {
+	srv := redistest.Start(t)
+	const instances, workers, attempts = 3, 16, 3200
+	var allowed, tried, leased, local atomic.Int64
+	var wg sync.WaitGroup
+	for range instances {
+		lim := newLimiter(t, Config{
+			Redis: srv.Client(t), Limit: Limit{Rate: 1e-3, Burst: 1000}, Instances: instances,
+			Timeout: 5 * time.Second, Prefix: "lease:",
+			// Leases that outlive the test: every leased token is spent.
+			Lease: 10, LeaseFor: time.Minute,
+		})
+		for range workers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for tried.Add(1) <= attempts {
+					d, err := lim.Allow(context.Background(), "bucket")
+					if err != nil {
+						t.Errorf("Allow = %v", err)
+						return
+					}
+					switch d.Mode {
+					case ModeLease:
+						leased.Add(1)
+					case ModeRemote:
+					default:
+						local.Add(1)
+					}
+					if d.Allowed {
+						allowed.Add(1)
+					}
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	calls := evalshaCalls(t, srv)
+	t.Logf("allowed %d of %d; %d from leases; %d script calls", allowed.Load(), attempts, leased.Load(), calls)
+	if allowed.Load() != 1000 || local.Load() != 0 {
+		t.Errorf("allowed %d, %d decided without Redis; want exactly 1000, none", allowed.Load(), local.Load())
+	}
+	if leased.Load() < 500 || calls > attempts/4 {
+		t.Errorf("%d decisions from leases, %d script calls; want most from leases, under %d calls",
+			leased.Load(), calls, attempts/4)
+	}
+}
+
+// TestLeaseAccuracy: 3 instances offered 200/s on one key of 100/s with
+// Lease 5 admit about the limit in every second after the first: leased
+// tokens are taken from the shared bucket, and spent within LeaseFor.
+func TestLeaseAccuracy(t *testing.T) {
+	srv := redistest.Start(t)
+	var deciders []loadgen.Decide
+	for range 3 {
+		c := redis.NewClient(&redis.Options{Addr: srv.Addr()})
+		t.Cleanup(func() { c.Close() })
+		lim := newLimiter(t, Config{
+			Redis: c, Limit: PerSecond(100), Instances: 3, Timeout: 50 * time.Millisecond,
+			Prefix: "leaseacc:", Lease: 5,
+		})
+		deciders = append(deciders, func(ctx context.Context, key string) (bool, string, error) {
+			d, err := lim.Allow(ctx, key)
+			return d.Allowed, d.Mode.String(), err
+		})
+	}
+	res := loadgen.Run(context.Background(), loadgen.Config{
+		Instances: deciders, Workers: 4, Rate: 200, Duration: 4 * time.Second,
+	})
+	t.Logf("Lease 5:\n%s", loadgen.Table(res.Seconds))
+	checkSeconds(t, res.Seconds, "with leases", 1, 3, 90, 110)
+	leased := 0
+	for _, s := range res.Seconds {
+		leased += s.Modes["lease"]
+	}
+	if leased == 0 {
+		t.Errorf("no decision from a lease")
+	}
+}
+
+// TestLeaseLifecycle, on miniredis with a fake local clock: leased tokens
+// are spent without Redis (also while it is away), a refund goes back to
+// the lease, and a lease past LeaseFor is not spent.
+func TestLeaseLifecycle(t *testing.T) {
+	m, c := miniClient(t)
+	var mu sync.Mutex
+	now := time.Now()
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
+	lim := newLimiter(t, Config{
+		Redis: c, Limit: Limit{Rate: 1e-3, Burst: 20}, Lease: 4, LeaseFor: time.Second,
+		Heartbeat: -1, now: clock,
+	})
+	ctx := context.Background()
+	step := func(what string, wantMode Mode, wantAllowed bool, wantRemaining int64) Decision {
+		t.Helper()
+		d, err := lim.Allow(ctx, "k")
+		if err != nil || d.Mode != wantMode || d.Allowed != wantAllowed || d.Remaining != wantRemaining {
+			t.Fatalf("%s: Allow = %+v, %v; want %v, allowed %v, remaining %d", what, d, err, wantMode, wantAllowed, wantRemaining)
+		}
+		return d
+	}
+	step("first", ModeRemote, true, 15) // 1 taken, 4 leased, 15 left in Redis
+	for i := int64(3); i >= 0; i-- {
+		step("from the lease", ModeLease, true, i)
+	}
+	step("lease spent", ModeRemote, true, 10)
+	d := step("from the second lease", ModeLease, true, 3)
+	if err := lim.Refund(ctx, "k", d, 1); err != nil {
+		t.Fatal(err)
+	}
+	step("after a refund to the lease", ModeLease, true, 3)
+	if got, _ := m.Get(lim.cfg.Prefix + "k"); len(got) != 22 {
+		t.Fatalf("bucket value %q", got)
+	}
+	// Redis away: the lease is still spent, then the local share decides.
+	m.Close()
+	step("lease, Redis away", ModeLease, true, 2)
+	advance(time.Second) // the lease has expired
+	d, err := lim.Allow(ctx, "k")
+	if err != nil || d.Mode == ModeLease {
+		t.Fatalf("Allow after LeaseFor = %+v, %v; want no lease", d, err)
+	}
+}
+
+// BenchmarkLeaseCost measures what leases cost below the limit: 3
+// instances offered 900/s in all on one key of 1000/s (burst 100) for 3 s,
+// for several Config.Lease. Without leases every decision is allowed;
+// leased tokens that an instance does not spend within LeaseFor (100 ms)
+// are lost, so a lease larger than an instance spends in LeaseFor drains
+// the bucket. Run on demand (docs/guide.md quotes it):
+//
+//	go test -run '^$' -bench LeaseCost -benchtime 1x .
+func BenchmarkLeaseCost(b *testing.B) {
+	for _, lease := range []int64{0, 10, 30, 100} {
+		b.Run("lease="+strconv.FormatInt(lease, 10), func(b *testing.B) {
+			for range b.N {
+				srv := redistest.Start(b)
+				var deciders []loadgen.Decide
+				for range 3 {
+					c := redis.NewClient(&redis.Options{Addr: srv.Addr()})
+					b.Cleanup(func() { c.Close() })
+					lim := newLimiter(b, Config{
+						Redis: c, Limit: Limit{Rate: 1000, Burst: 100}, Instances: 3,
+						Prefix: "leasecost:", Lease: lease, Heartbeat: -1,
+					})
+					deciders = append(deciders, func(ctx context.Context, key string) (bool, string, error) {
+						d, err := lim.Allow(ctx, key)
+						return d.Allowed, d.Mode.String(), err
+					})
+				}
+				calls0 := evalshaCalls(b, srv)
+				res := loadgen.Run(context.Background(), loadgen.Config{
+					Instances: deciders, Workers: 8, Rate: 900, Duration: 3 * time.Second,
+				})
+				allowed, total := 0, 0
+				for _, s := range res.Seconds {
+					allowed += s.Allowed
+					total += s.Total()
+				}
+				calls := evalshaCalls(b, srv) - calls0
+				b.Logf("Lease %d: allowed %d of %d (%.1f%%), %d script calls\n%s", lease, allowed, total,
+					100*float64(allowed)/float64(total), calls, loadgen.Table(res.Seconds))
+				b.ReportMetric(100*float64(allowed)/float64(total), "%allowed")
+				b.ReportMetric(float64(calls)/float64(total), "calls/decision")
+			}
+		})
+	}
+}
