@@ -62,7 +62,7 @@ func parseReply(v any, lim Limit, cost int64, m mode) (Result, error) {
 	allowed := flags&1 == 1
 	if flags < 0 || flags > 3 || level < 0 || level > capacity || !allowed && (m == modeCharge || cost <= level) ||
 		leased < 0 || leased%lim.P != 0 || leased > capacity || !allowed && leased != 0 {
-		return Result{}, fmt.Errorf("%w: %v", ErrReply, n[:want])
+		return Result{}, fmt.Errorf("%w: %v", ErrReply, vals)
 	}
 	res := Result{
 		Allowed:    allowed,
