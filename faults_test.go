@@ -476,21 +476,26 @@ func TestFaultKilled(t *testing.T) {
 
 // TestFaultProxy (scenario 4): through a fault proxy, latency below the
 // budget (5ms each way, 2s-4s: a new connection's first decision costs two
-// round trips, HELLO and EVALSHA, so 20ms of the 50ms) keeps decisions
-// remote; latency above it
-// (60ms each way, 4s-6s) sends them local within the budget, and they are
-// back to Redis within the recovery bound once it is gone (6s). A black
-// hole (7s-9s), which a breaker meets closed, sends them local within the
-// budget too, and they are back to Redis within the bound after 9s.
+// round trips, HELLO and EVALSHA, so 20ms) keeps decisions remote; latency
+// above it (120ms each way, 4s-6s) sends them local within the budget, and
+// they are back to Redis within the recovery bound once it is gone (6s). A
+// black hole (7s-9s), which a breaker meets closed, sends them local within
+// the budget too, and they are back to Redis within the bound after 9s.
+//
+// The budget is 100ms rather than 50ms: under -race, with other packages'
+// tests beside it, this 2-core machine stalls for 30ms and more at times
+// (three decisions of 50-54ms at 5ms each way were seen in CI), and a stall
+// is not the latency under test.
 func TestFaultProxy(t *testing.T) {
 	leakCheck(t)
 	srv := redistest.Start(t)
 	px := faultproxy.Start(t, srv.Addr())
-	r := newRig(t, clients(t, px.Addr(), loadInstances), Config{})
+	const timeout = 100 * time.Millisecond
+	r := newRig(t, clients(t, px.Addr(), loadInstances), Config{Timeout: timeout})
 	var fast, healed time.Time
 	res := r.run(14*time.Second, nil,
 		loadgen.Event{At: 2 * time.Second, Do: func() { px.SetDelay(5 * time.Millisecond) }},
-		loadgen.Event{At: 4 * time.Second, Do: func() { px.SetDelay(60 * time.Millisecond) }},
+		loadgen.Event{At: 4 * time.Second, Do: func() { px.SetDelay(120 * time.Millisecond) }},
 		mark(6*time.Second, &fast, func() { px.SetDelay(0) }),
 		loadgen.Event{At: 7 * time.Second, Do: func() { px.Blackhole(true) }},
 		mark(9*time.Second, &healed, func() { px.Blackhole(false) }),
@@ -500,7 +505,7 @@ func TestFaultProxy(t *testing.T) {
 	}
 	t.Logf("breakers opened at %s", describeOpens(r))
 	r.checkNoErrors()
-	r.checkLatency(loadTimeout + latencyMargin)
+	r.checkLatency(timeout + latencyMargin)
 	for _, s := range []int{1, 2} {
 		checkSecond(t, res, s, ModeRemote, 100, 0.2)
 	}

@@ -31,14 +31,16 @@ func evalshaCalls(t testing.TB, srv *redistest.Server) int64 {
 	return 0
 }
 
-// TestLeaseExactCounts: with leases, 3 instances × 16 goroutines still
-// admit exactly 1000 of 3200 from a bucket of 1000 (leased tokens are taken
-// from it), with a fraction of the script calls.
+// TestLeaseExactCounts: with leases, 3 instances × 16 goroutines offered
+// 3200 attempts on a bucket of 1000 account for exactly its 1000 tokens,
+// admitted or still leased (leased tokens are taken from it), with a
+// fraction of the script calls.
 func TestLeaseExactCounts(t *testing.T) {
 	srv := redistest.Start(t)
 	const instances, workers, attempts = 3, 16, 3200
 	var allowed, tried, leased, local atomic.Int64
 	var wg sync.WaitGroup
+	var lims []*Limiter
 	for range instances {
 		lim := newLimiter(t, Config{
 			Redis: srv.Client(t), Limit: Limit{Rate: 1e-3, Burst: 1000}, Instances: instances,
@@ -46,6 +48,7 @@ func TestLeaseExactCounts(t *testing.T) {
 			// Leases that outlive the test: every leased token is spent.
 			Lease: 10, LeaseFor: time.Minute,
 		})
+		lims = append(lims, lim)
 		for range workers {
 			wg.Add(1)
 			go func() {
@@ -71,14 +74,23 @@ func TestLeaseExactCounts(t *testing.T) {
 		}
 	}
 	wg.Wait()
-	calls := evalshaCalls(t, srv)
-	t.Logf("allowed %d of %d; %d from leases; %d script calls", allowed.Load(), attempts, leased.Load(), calls)
-	if allowed.Load() != 1000 || local.Load() != 0 {
-		t.Errorf("allowed %d, %d decided without Redis; want exactly 1000, none", allowed.Load(), local.Load())
+	// An instance whose workers ran out of attempts may still hold leased
+	// tokens: every token of the bucket is either admitted or held.
+	var held int64
+	for _, lim := range lims {
+		left, _ := lim.shares.TakeLease(time.Now(), "bucket", 0)
+		held += left
 	}
-	if leased.Load() < 500 || calls > attempts/4 {
-		t.Errorf("%d decisions from leases, %d script calls; want most from leases, under %d calls",
-			leased.Load(), calls, attempts/4)
+	calls := evalshaCalls(t, srv)
+	t.Logf("allowed %d of %d, %d leased tokens left; %d decisions from leases; %d script calls",
+		allowed.Load(), attempts, held, leased.Load(), calls)
+	if allowed.Load()+held != 1000 || local.Load() != 0 {
+		t.Errorf("allowed %d and %d held, %d decided without Redis; want exactly 1000 in all, none",
+			allowed.Load(), held, local.Load())
+	}
+	if leased.Load() < allowed.Load()/2 || calls > attempts/4 {
+		t.Errorf("%d of %d admitted from leases, %d script calls; want at least half from leases, under %d calls",
+			leased.Load(), allowed.Load(), calls, attempts/4)
 	}
 }
 
