@@ -162,8 +162,8 @@ type Config struct {
 	// tokens are taken from the shared bucket, so the fleet never admits
 	// more than the limit allows; but tokens this instance does not spend
 	// within LeaseFor are lost, and while it holds them other instances
-	// may be refused. Zero (the default) turns it off. docs/guide.md, "Hot
-	// keys", has the measured cost.
+	// may be refused. Zero (the default) turns it off. docs/guide.md,
+	// "Lease", has the measured cost.
 	Lease int64
 	// LeaseFor is how long leased tokens may be spent after the request
 	// that leased them was sent. Zero means DefaultLeaseFor.

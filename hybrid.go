@@ -321,6 +321,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	// or not: it granted them already.
 	if lim.cfg.Lease > 0 {
 		if left, ok := lim.shares.TakeLease(lim.cfg.now(), key, n); ok {
+			lim.count.Add(1) // traffic, for the fleet's weights, as a remote decision
 			*d = Decision{Allowed: true, Remaining: left, Mode: ModeLease}
 			return nil
 		}

@@ -149,8 +149,13 @@ func TestLeaseLifecycle(t *testing.T) {
 		return d
 	}
 	step("first", ModeRemote, true, 15) // 1 taken, 4 leased, 15 left in Redis
+	counted := lim.count.Load()
 	for i := int64(3); i >= 0; i-- {
 		step("from the lease", ModeLease, true, i)
+	}
+	// Leased decisions are this instance's traffic, for the fleet's weights.
+	if got := lim.count.Load() - counted; got != 4 {
+		t.Errorf("4 decisions from the lease counted %d times for the fleet; want 4", got)
 	}
 	step("lease spent", ModeRemote, true, 10)
 	d := step("from the second lease", ModeLease, true, 3)
