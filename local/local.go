@@ -338,9 +338,10 @@ func (s *Shares) TakeLease(now time.Time, key string, n int64) (left int64, ok b
 // Lease records that Redis leased tokens of key to this instance, to be
 // spent until until. They add to what is left of a lease still valid at
 // now (concurrent decisions each lease), and the whole lease is then valid
-// until until. A full shard drops its expired leases first; if it is still
-// full, the tokens are not kept: never more than Redis granted, at worst
-// fewer.
+// until until. A full shard first drops the expired leases among the first
+// few that map iteration yields (Sweep makes the full pass); if it is
+// still full, the tokens are not kept: never more than Redis granted, at
+// worst fewer.
 func (s *Shares) Lease(now time.Time, key string, tokens int64, until time.Time) {
 	sh := s.shard(key)
 	sh.mu.Lock()
@@ -353,7 +354,7 @@ func (s *Shares) Lease(now time.Time, key string, tokens int64, until time.Time)
 	switch {
 	case !found:
 		if len(sh.leases) >= sh.max {
-			sh.dropLeases(s.mono(now))
+			sh.dropLeases(s.mono(now), scanLimit)
 			if len(sh.leases) >= sh.max {
 				return
 			}
@@ -381,17 +382,20 @@ func (s *Shares) RefundLease(now time.Time, key string, n int64) bool {
 	return true
 }
 
-// dropLeases drops the leases expired at now and returns how many.
+// dropLeases drops the leases expired at now among the first limit that
+// map iteration yields, or among all of them if limit < 1: a shard full of
+// valid leases is not scanned whole for every new key.
 // dropLeases requires that sh.mu is held.
-func (sh *shard) dropLeases(now mono) int {
-	n := 0
+func (sh *shard) dropLeases(now mono, limit int) {
+	seen := 0
 	for k, l := range sh.leases {
 		if now >= l.until {
 			delete(sh.leases, k)
-			n++
+		}
+		if seen++; seen == limit {
+			return
 		}
 	}
-	return n
 }
 
 // Refund gives n tokens back to key's local bucket, up to its burst. A key
@@ -412,9 +416,10 @@ func (s *Shares) Refund(now time.Time, key string, n int) {
 }
 
 // Sweep drops every bucket that is full at now, and every lease expired at
-// now, and returns how many buckets it dropped. A dropped full bucket and a new full one are the same state, so
-// dropping loses nothing, except that a call that found the bucket just
-// before it was dropped takes from the dropped one.
+// now, and returns how many buckets it dropped. A dropped full bucket and a
+// new full one are the same state, so dropping loses nothing, except that
+// a call that found the bucket just before it was dropped takes from the
+// dropped one.
 //
 // Sweep locks one shard at a time. The owner should call it periodically,
 // for example every few seconds from a goroutine, so that shards rarely
@@ -425,7 +430,7 @@ func (s *Shares) Sweep(now time.Time) int {
 		sh := &s.shards[i]
 		sh.mu.Lock()
 		dropped += sh.dropFull(now)
-		sh.dropLeases(s.mono(now))
+		sh.dropLeases(s.mono(now), 0)
 		sh.mu.Unlock()
 	}
 	return dropped
