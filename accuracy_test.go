@@ -87,11 +87,7 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 		}
 		c := cfg.Redis.(*redis.Client)
 		t.Cleanup(func() { c.Close() })
-		lim := newLimiter(t, cfg)
-		deciders = append(deciders, func(ctx context.Context, key string) (bool, string, error) {
-			d, err := lim.Allow(ctx, key)
-			return d.Allowed, d.Mode.String(), err
-		})
+		deciders = append(deciders, decider(newLimiter(t, cfg)))
 	}
 	resumed := false
 	t.Cleanup(func() {
@@ -112,6 +108,14 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 	})
 	t.Logf("%v:\n%s", o, loadgen.Table(res.Seconds))
 	return res.Seconds
+}
+
+// decider is lim's Allow, for loadgen.
+func decider(lim *Limiter) loadgen.Decide {
+	return func(ctx context.Context, key string) (bool, string, error) {
+		d, err := lim.Allow(ctx, key)
+		return d.Allowed, d.Mode.String(), err
+	}
 }
 
 // appendAccuracy appends one run's allowed counts per second to path, as a

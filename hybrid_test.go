@@ -225,42 +225,58 @@ func TestLocalShare(t *testing.T) {
 func TestExactCounts(t *testing.T) {
 	srv := redistest.Start(t)
 	const instances, workers, attempts = 3, 16, 3200
-	var allowed, tried, remote atomic.Int64
-	var wg sync.WaitGroup
+	var lims []*Limiter
 	for range instances {
-		c := srv.Client(t)
-		lim := newLimiter(t, Config{
-			Redis: c, Limit: Limit{Rate: 1e-3, Burst: 1000}, Instances: instances,
+		lims = append(lims, newLimiter(t, Config{
+			Redis: srv.Client(t), Limit: Limit{Rate: 1e-3, Burst: 1000}, Instances: instances,
 			// Exactness is the point here, not the time budget: a loaded
 			// CI machine must not turn a slow answer into a local one.
 			Timeout: 5 * time.Second, Prefix: "exact:",
-		})
+		}))
+	}
+	allowed, modes := spend(t, lims, "bucket", workers, attempts)
+	t.Logf("allowed %d of %d, %d decided by Redis", allowed, attempts, modes[ModeRemote])
+	if allowed != 1000 || modes[ModeRemote] != attempts {
+		t.Errorf("allowed %d with %d remote decisions of %d; want exactly 1000, all remote",
+			allowed, modes[ModeRemote], attempts)
+	}
+}
+
+// spend has workers goroutines for each of lims decide one event at a time
+// on key until attempts decisions were made in all, and returns how many
+// were allowed and how many each mode decided.
+func spend(t *testing.T, lims []*Limiter, key string, workers int, attempts int64) (allowed int64, modes map[Mode]int64) {
+	t.Helper()
+	var ok, tried atomic.Int64
+	var byMode [ModeLease + 1]atomic.Int64
+	var wg sync.WaitGroup
+	for _, lim := range lims {
 		for range workers {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
 				for tried.Add(1) <= attempts {
-					d, err := lim.Allow(context.Background(), "bucket")
+					d, err := lim.Allow(context.Background(), key)
 					if err != nil {
 						t.Errorf("Allow = %v", err)
 						return
 					}
-					if d.Mode == ModeRemote {
-						remote.Add(1)
-					}
+					byMode[d.Mode].Add(1)
 					if d.Allowed {
-						allowed.Add(1)
+						ok.Add(1)
 					}
 				}
 			}()
 		}
 	}
 	wg.Wait()
-	t.Logf("allowed %d of %d, %d decided by Redis", allowed.Load(), attempts, remote.Load())
-	if allowed.Load() != 1000 || remote.Load() != attempts {
-		t.Errorf("allowed %d with %d remote decisions of %d; want exactly 1000, all remote",
-			allowed.Load(), remote.Load(), attempts)
+	modes = map[Mode]int64{}
+	for m := range byMode {
+		if n := byMode[m].Load(); n > 0 {
+			modes[Mode(m)] = n
+		}
 	}
+	return ok.Load(), modes
 }
 
 // TestNoScriptUnderLoad: SCRIPT FLUSH while decisions run costs neither a

@@ -5,7 +5,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -38,42 +37,17 @@ func evalshaCalls(t testing.TB, srv *redistest.Server) int64 {
 func TestLeaseExactCounts(t *testing.T) {
 	srv := redistest.Start(t)
 	const instances, workers, attempts = 3, 16, 3200
-	var allowed, tried, leased, local atomic.Int64
-	var wg sync.WaitGroup
 	var lims []*Limiter
 	for range instances {
-		lim := newLimiter(t, Config{
+		lims = append(lims, newLimiter(t, Config{
 			Redis: srv.Client(t), Limit: Limit{Rate: 1e-3, Burst: 1000}, Instances: instances,
 			Timeout: 5 * time.Second, Prefix: "lease:",
 			// Leases that outlive the test: every leased token is spent.
 			Lease: 10, LeaseFor: time.Minute,
-		})
-		lims = append(lims, lim)
-		for range workers {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for tried.Add(1) <= attempts {
-					d, err := lim.Allow(context.Background(), "bucket")
-					if err != nil {
-						t.Errorf("Allow = %v", err)
-						return
-					}
-					switch d.Mode {
-					case ModeLease:
-						leased.Add(1)
-					case ModeRemote:
-					default:
-						local.Add(1)
-					}
-					if d.Allowed {
-						allowed.Add(1)
-					}
-				}
-			}()
-		}
+		}))
 	}
-	wg.Wait()
+	allowed, modes := spend(t, lims, "bucket", workers, attempts)
+	leased, local := modes[ModeLease], attempts-modes[ModeLease]-modes[ModeRemote]
 	// An instance whose workers ran out of attempts may still hold leased
 	// tokens: every token of the bucket is either admitted or held.
 	var held int64
@@ -83,14 +57,14 @@ func TestLeaseExactCounts(t *testing.T) {
 	}
 	calls := evalshaCalls(t, srv)
 	t.Logf("allowed %d of %d, %d leased tokens left; %d decisions from leases; %d script calls",
-		allowed.Load(), attempts, held, leased.Load(), calls)
-	if allowed.Load()+held != 1000 || local.Load() != 0 {
+		allowed, attempts, held, leased, calls)
+	if allowed+held != 1000 || local != 0 {
 		t.Errorf("allowed %d and %d held, %d decided without Redis; want exactly 1000 in all, none",
-			allowed.Load(), held, local.Load())
+			allowed, held, local)
 	}
-	if leased.Load() < allowed.Load()/2 || calls > attempts/4 {
+	if leased < allowed/2 || calls > attempts/4 {
 		t.Errorf("%d of %d admitted from leases, %d script calls; want at least half from leases, under %d calls",
-			leased.Load(), allowed.Load(), calls, attempts/4)
+			leased, allowed, calls, attempts/4)
 	}
 }
 
@@ -103,14 +77,10 @@ func TestLeaseAccuracy(t *testing.T) {
 	for range 3 {
 		c := redis.NewClient(&redis.Options{Addr: srv.Addr()})
 		t.Cleanup(func() { c.Close() })
-		lim := newLimiter(t, Config{
+		deciders = append(deciders, decider(newLimiter(t, Config{
 			Redis: c, Limit: PerSecond(100), Instances: 3, Timeout: 50 * time.Millisecond,
 			Prefix: "leaseacc:", Lease: 5,
-		})
-		deciders = append(deciders, func(ctx context.Context, key string) (bool, string, error) {
-			d, err := lim.Allow(ctx, key)
-			return d.Allowed, d.Mode.String(), err
-		})
+		})))
 	}
 	res := loadgen.Run(context.Background(), loadgen.Config{
 		Instances: deciders, Workers: 4, Rate: 200, Duration: 4 * time.Second,
@@ -193,14 +163,10 @@ func BenchmarkLeaseCost(b *testing.B) {
 				for range 3 {
 					c := redis.NewClient(&redis.Options{Addr: srv.Addr()})
 					b.Cleanup(func() { c.Close() })
-					lim := newLimiter(b, Config{
+					deciders = append(deciders, decider(newLimiter(b, Config{
 						Redis: c, Limit: Limit{Rate: 1000, Burst: 100}, Instances: 3,
 						Prefix: "leasecost:", Lease: lease, Heartbeat: -1,
-					})
-					deciders = append(deciders, func(ctx context.Context, key string) (bool, string, error) {
-						d, err := lim.Allow(ctx, key)
-						return d.Allowed, d.Mode.String(), err
-					})
+					})))
 				}
 				calls0 := evalshaCalls(b, srv)
 				res := loadgen.Run(context.Background(), loadgen.Config{
