@@ -100,17 +100,7 @@ const LeaseTokens = 100
 // openHybridLease is hybridlimit in lease mode: each script call also takes
 // up to LeaseTokens tokens, which the next decisions spend without Redis.
 func openHybridLease(rdb redis.UniversalClient) (Instance, error) {
-	lim, err := hybridlimit.New(hybridlimit.Config{
-		Redis:     rdb,
-		Limit:     hybridlimit.Limit{Rate: Rate, Burst: Burst},
-		Timeout:   time.Second,
-		Heartbeat: -1,
-		Lease:     LeaseTokens,
-	})
-	if err != nil {
-		return nil, err
-	}
-	return hybrid{lim}, nil
+	return newHybrid(hybridlimit.Config{Redis: rdb, Limit: hybridlimit.Limit{Rate: Rate, Burst: Burst}, Lease: LeaseTokens})
 }
 
 // openHybridCtx is hybridlimit on a client of its own with
@@ -147,19 +137,20 @@ func (o ownClient) Close() error {
 // OpenHybrid returns a hybridlimit instance with the given key prefix
 // (empty: hybridlimit's default) and limit.
 func OpenHybrid(rdb redis.UniversalClient, prefix string, l hybridlimit.Limit) (Instance, error) {
-	lim, err := hybridlimit.New(hybridlimit.Config{
-		Redis:     rdb,
-		Limit:     l,
-		Prefix:    prefix,
-		Timeout:   time.Second,
-		Heartbeat: -1,
-	})
+	return newHybrid(hybridlimit.Config{Redis: rdb, Limit: l, Prefix: prefix})
+}
+
+// newHybrid returns a hybridlimit instance for cfg, with the benchmarks'
+// Timeout (1 s: a slow answer must not become a local decision) and no
+// heartbeat (it would add its own Redis traffic).
+func newHybrid(cfg hybridlimit.Config) (Instance, error) {
+	cfg.Timeout, cfg.Heartbeat = time.Second, -1
+	lim, err := hybridlimit.New(cfg)
 	if err != nil {
 		return nil, err
 	}
 	return hybrid{lim}, nil
 }
-
 func (h hybrid) Bind(key string) Decide {
 	return func(ctx context.Context) (bool, error) {
 		d, err := h.lim.Allow(ctx, key)
