@@ -99,7 +99,7 @@ func BenchmarkLocalSerial(b *testing.B) {
 func TestLocalPathAllocs(t *testing.T) {
 	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
 	defer c.Close()
-	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Heartbeat: -1,
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Heartbeat: -1, Instances: 1,
 		Breaker: BreakerConfig{OpenFor: time.Hour}})
 	ctx := context.Background()
 	for lim.single.cb.State().String() != "open" {

@@ -132,7 +132,12 @@ type Config struct {
 	Name string
 	// Instances is how many instances share the limit, until the fleet's
 	// heartbeats say better; under FailLocal each holds its share of the
-	// limit while Redis is away. Zero means 1.
+	// limit while Redis is away. Zero means unknown: an instance that has
+	// not heard from the fleet yet (it started while Redis was away) then
+	// holds nothing, and FailLocal denies, since the instances that did
+	// hear hold the whole limit between them. Set it to hold 1/Instances
+	// instead (Instances: 1 for a service that runs alone). Required with
+	// FailLocal when Heartbeat is negative.
 	Instances int
 	// Heartbeat is how often this instance records in Redis that it is
 	// live and how many decisions per second it makes, so that every
@@ -264,6 +269,8 @@ func (cfg *Config) validate() error {
 		return bad("Lease must not be negative, got %d", cfg.Lease)
 	case cfg.LeaseFor < 0:
 		return bad("LeaseFor must not be negative, got %v", cfg.LeaseFor)
+	case cfg.Heartbeat < 0 && cfg.Instances == 0 && cfg.OnFailure == FailLocal:
+		return bad("Instances must be set with FailLocal when Heartbeat is negative: nothing else says the share")
 	case cfg.Heartbeat > 0 && cfg.Heartbeat < MinHeartbeat:
 		return bad("Heartbeat must be at least %v (or negative: none), got %v", MinHeartbeat, cfg.Heartbeat)
 	}
@@ -272,9 +279,6 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.Heartbeat == 0 {
 		cfg.Heartbeat = DefaultHeartbeat
-	}
-	if cfg.Instances == 0 {
-		cfg.Instances = 1
 	}
 	if cfg.Prefix == "" {
 		cfg.Prefix = DefaultPrefix

@@ -905,7 +905,10 @@ func TestFaultCancellations(t *testing.T) {
 	cancel()
 	// cancellations makes 1000 decisions on instance 0 from 8 goroutines,
 	// and returns how many returned a decision, and the slowest return
-	// past its context's deadline.
+	// past its context's deadline. A decision whose context is cancelled,
+	// or whose deadline passes before Redis answers, is either the
+	// context's error or, if the budget ran out with time left, the
+	// failure policy's decision: never later than the deadline.
 	cancellations := func() (decided int, late time.Duration) {
 		var mu sync.Mutex
 		var wg sync.WaitGroup
@@ -925,11 +928,12 @@ func TestFaultCancellations(t *testing.T) {
 					mu.Lock()
 					if err == nil {
 						decided++
-						if d.Mode != ModeRemote {
-							t.Errorf("decision %d with context = %+v; want an error or a remote decision", i, d)
+						if d.Mode != ModeRemote && d.Mode != ModeLocal || ctx == cancelled {
+							t.Errorf("decision %d with context = %+v; want an error, or a remote or local decision within a deadline", i, d)
 						}
-					} else {
-						late = max(late, over)
+					}
+					late = max(late, over)
+					if err != nil {
 						if !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
 							t.Errorf("decision %d error = %v; want the context's", i, err)
 						}
@@ -954,11 +958,8 @@ func TestFaultCancellations(t *testing.T) {
 	srv.Pause(t)
 	decided, late = cancellations()
 	srv.Resume(t)
-	t.Logf("paused Redis: %d of 1000 decisions with an ending context were made, the rest ended %v after their deadline at most",
+	t.Logf("paused Redis: %d of 1000 decisions with an ending context were made (locally), the slowest %v after its deadline",
 		decided, late.Round(time.Microsecond))
-	if decided != 0 {
-		t.Errorf("paused Redis: %d decisions made; want none", decided)
-	}
 	if late > latencyMargin {
 		t.Errorf("paused Redis: a decision returned %v after its context's deadline; want within %v", late, latencyMargin)
 	}

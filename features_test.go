@@ -50,8 +50,8 @@ func TestCachedDenialsMatchRedis(t *testing.T) {
 	m, c := miniClient(t)
 	clock := newFakeClock(m)
 	limit := Limit{Rate: 10, Burst: 5}
-	cached := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "cached:", now: clock.Now, Heartbeat: -1})
-	direct := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "direct:", now: clock.Now, Heartbeat: -1, noCache: true})
+	cached := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "cached:", now: clock.Now, Heartbeat: -1, Instances: 1})
+	direct := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "direct:", now: clock.Now, Heartbeat: -1, Instances: 1, noCache: true})
 	ctx := context.Background()
 	var allowed int
 	for i := range 2000 {
@@ -92,7 +92,7 @@ func TestCachedDenialsSpareRedis(t *testing.T) {
 		var lims []*Limiter
 		for range 3 {
 			lims = append(lims, newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(20),
-				Timeout: time.Second, Heartbeat: -1, noCache: !cache, Prefix: "abuse" + strconv.FormatBool(cache)}))
+				Timeout: time.Second, Heartbeat: -1, Instances: 1, noCache: !cache, Prefix: "abuse" + strconv.FormatBool(cache)}))
 		}
 		var attempts, allowed atomic.Int64
 		deadline := time.Now().Add(time.Second)
@@ -135,7 +135,7 @@ func TestCachedDenialsSpareRedis(t *testing.T) {
 func TestSetLimit(t *testing.T) {
 	m, c := miniClient(t)
 	clock := newFakeClock(m)
-	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), now: clock.Now, Heartbeat: -1})
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), now: clock.Now, Heartbeat: -1, Instances: 1})
 	ctx := context.Background()
 	if d, _ := lim.AllowN(ctx, "k", 4); d.Remaining != 6 {
 		t.Fatalf("AllowN(4) = %+v; want 6 left", d)
@@ -184,7 +184,7 @@ func TestLimitFor(t *testing.T) {
 		client redis.UniversalClient
 		mode   Mode
 	}{{c, ModeRemote}, {dead, ModeLocal}} {
-		lim := newLimiter(t, Config{Redis: tc.client, Limit: PerSecond(5), LimitFor: tiers, Heartbeat: -1, now: clock.Now})
+		lim := newLimiter(t, Config{Redis: tc.client, Limit: PerSecond(5), LimitFor: tiers, Heartbeat: -1, Instances: 1, now: clock.Now})
 		ctx := context.Background()
 		for _, k := range []struct {
 			key  string
@@ -217,7 +217,7 @@ func TestLimitFor(t *testing.T) {
 func TestShadow(t *testing.T) {
 	_, c := miniClient(t)
 	obs := &countingObserver{}
-	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(3), Shadow: true, Observer: obs, Heartbeat: -1})
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(3), Shadow: true, Observer: obs, Heartbeat: -1, Instances: 1})
 	shadowed := 0
 	for range 10 {
 		d, err := lim.Allow(context.Background(), "k")
@@ -272,7 +272,7 @@ func TestObserverAndStats(t *testing.T) {
 	srv := redistest.Start(t)
 	obs := &countingObserver{}
 	lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(1000), Observer: obs,
-		Timeout: 20 * time.Millisecond, Heartbeat: -1, Name: "api"})
+		Timeout: 20 * time.Millisecond, Heartbeat: -1, Instances: 1, Name: "api"})
 	ctx := context.Background()
 	for range 5 {
 		lim.Allow(ctx, "k")
@@ -306,7 +306,7 @@ func TestWaitHoldsTheLimit(t *testing.T) {
 	defer cancel()
 	for range 3 {
 		lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: Limit{Rate: rate, Burst: burst},
-			Timeout: time.Second, Heartbeat: -1})
+			Timeout: time.Second, Heartbeat: -1, Instances: 1})
 		for range 4 {
 			wg.Add(1)
 			go func() {
@@ -335,7 +335,7 @@ func TestWaitHoldsTheLimit(t *testing.T) {
 // TestWaitRespectsContext: a deadline too short for the wait ends it early.
 func TestWaitRespectsContext(t *testing.T) {
 	_, c := miniClient(t)
-	lim := newLimiter(t, Config{Redis: c, Limit: Limit{Rate: 0.1, Burst: 1}, Heartbeat: -1})
+	lim := newLimiter(t, Config{Redis: c, Limit: Limit{Rate: 0.1, Burst: 1}, Heartbeat: -1, Instances: 1})
 	if err := lim.Wait(context.Background(), "k"); err != nil {
 		t.Fatal(err)
 	}
@@ -354,7 +354,7 @@ func TestRefund(t *testing.T) {
 	defer dead.Close()
 	for _, client := range []redis.UniversalClient{c, dead} {
 		// The cache stays on: a refund must lift a denial it would answer.
-		lim := newLimiter(t, Config{Redis: client, Limit: PerSecond(3), Heartbeat: -1})
+		lim := newLimiter(t, Config{Redis: client, Limit: PerSecond(3), Heartbeat: -1, Instances: 1})
 		ctx := context.Background()
 		d, err := lim.AllowN(ctx, "k", 3)
 		if err != nil || !d.Allowed {

@@ -30,6 +30,18 @@ const (
 	evenPart  = 0.1
 )
 
+// initialView is the view of an instance that has not heard from the
+// fleet: 1/instances of every limit if Config.Instances says how many
+// share it, and none if it does not. The instances that did hear from
+// the fleet hold shares that add up to the whole limit without this one,
+// so a new instance's fair share, until its first heartbeat, is nothing.
+func initialView(instances int) *fleet {
+	if instances < 1 {
+		return &fleet{}
+	}
+	return &fleet{weight: 1 / float64(instances), size: instances}
+}
+
 // fleetKey returns the fleet hash of the group, beside its buckets.
 func (lim *Limiter) fleetKey() string {
 	return lim.cfg.Prefix + "{hybridlimit-fleet:" + lim.cfg.Name + "}"
@@ -98,10 +110,8 @@ func (lim *Limiter) beat(report string, settled bool) bool {
 		return false
 	}
 	every := lim.cfg.Heartbeat
-	ctx, cancel := lim.background()
+	ctx, cancel := context.WithTimeout(lim.ctx, every)
 	defer cancel()
-	ctx, cancelTimeout := context.WithTimeout(ctx, every)
-	defer cancelTimeout()
 	members, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), lim.id, report, fleetTTL*every, fleetMost)
 	if err != nil {
 		lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", err)
@@ -154,7 +164,7 @@ func weigh(members []remote.Member, id string, instances int, settled bool) *fle
 		found = found || m.ID == id
 	}
 	if !found {
-		return &fleet{weight: 1 / float64(instances), size: instances}
+		return initialView(instances)
 	}
 	size := len(members)
 	if !settled {

@@ -107,6 +107,10 @@ type Decision struct {
 	// Shadowed reports that the limit denied the decision but Config.Shadow
 	// let it through: Allowed is true, RetryAfter says what a denial would.
 	Shadowed bool
+	// Cached reports a denial answered without a round trip, from what
+	// Redis said of the key less than a second ago (Mode is ModeRemote):
+	// Redis was not asked, so it may be away by now.
+	Cached bool
 }
 
 // Limiter decides, per key, whether an event may happen now. Create it
@@ -122,13 +126,25 @@ type Limiter struct {
 	nodes   atomic.Pointer[nodeMap] // cluster nodes by address; copy on write
 	count   atomic.Int64            // decisions, for the fleet's weights
 	healed  chan *node              // nodes whose breaker closed, to reconcile
+	owed    chan struct{}           // local decisions on nodes whose breaker is closed
+	opened  chan struct{}           // a breaker opened: wakes the prober
 
-	mu     sync.Mutex // serializes writers of nodes, and closed with them
-	closed atomic.Bool
+	mu          sync.Mutex // serializes writers of nodes, and closed with them
+	closed      atomic.Bool
+	reconciling sync.Mutex // held by reconcile
 
-	done chan struct{}
-	wg   sync.WaitGroup
-	once sync.Once
+	// For a Cluster: mapped is set once go-redis has loaded the slot
+	// layout; tried is closed when the first attempt to load it ended.
+	mapped atomic.Bool
+	tried  chan struct{}
+
+	// ctx is the context of every Redis call the limiter makes of its own
+	// (probes, charges, heartbeats); Close cancels it.
+	ctx    context.Context
+	cancel context.CancelFunc
+	done   chan struct{} // closed by Close
+	wg     sync.WaitGroup
+	once   sync.Once
 }
 
 type nodeMap = map[string]*node
@@ -147,6 +163,12 @@ type probe struct {
 	key string
 	rl  remote.Limit
 }
+
+// cachedFor is how long what Redis said of a key may answer denials
+// without a round trip: a second bounds what an operator's DEL, or Redis
+// losing its data, can cost, at one call per key, instance and second
+// under abuse.
+const cachedFor = time.Second
 
 // sweepEvery is how often idle full local buckets are dropped.
 const sweepEvery = 10 * time.Second
@@ -170,12 +192,16 @@ func New(cfg Config) (*Limiter, error) {
 		cfg:    cfg,
 		id:     hex.EncodeToString(id[:]),
 		shares: local.New(cfg.MaxLocalKeys),
-		healed: make(chan *node, 16),
+		healed: make(chan *node, 1),
+		owed:   make(chan struct{}, 1),
+		opened: make(chan struct{}, 1),
+		tried:  make(chan struct{}),
 		done:   make(chan struct{}),
 	}
+	lim.ctx, lim.cancel = context.WithCancel(context.Background())
 	ls, _ := cfg.Limit.check() // validate checked it
 	lim.limit.Store(&ls)
-	lim.view.Store(&fleet{weight: 1 / float64(cfg.Instances), size: cfg.Instances})
+	lim.view.Store(initialView(cfg.Instances))
 	lim.nodes.Store(&nodeMap{})
 	if cc, ok := cfg.Redis.(*redis.ClusterClient); ok {
 		lim.cluster = cc
@@ -216,10 +242,16 @@ func (lim *Limiter) newNode(addr string) *node {
 					Limiter: lim.cfg.Name, Node: name, From: from.String(), To: to.String(),
 				})
 			}
-			if to == breaker.StateClosed {
+			switch to {
+			case breaker.StateClosed:
 				select {
 				case lim.healed <- nd:
 				default: // a reconciliation is pending already
+				}
+			case breaker.StateOpen:
+				select {
+				case lim.opened <- struct{}{}:
+				default: // the prober is awake already
 				}
 			}
 		},
@@ -227,12 +259,53 @@ func (lim *Limiter) newNode(addr string) *node {
 	return nd
 }
 
+// errNoLayout is nodeFor's error while the Cluster's layout is unknown.
+var errNoLayout = errors.New("hybridlimit: the Cluster's slot layout is not loaded")
+
 // nodeFor returns the node that owns key: for a Cluster, the key's master.
+// It never loads the Cluster's layout itself, which go-redis would do
+// synchronously, for up to its ReadTimeout per seed node whatever ctx
+// says: New loads it in the background, and until that first attempt has
+// ended a decision waits for it, at most for the budget. After a failed
+// attempt it returns errNoLayout at once, while loading goes on.
 func (lim *Limiter) nodeFor(ctx context.Context, key string) (*node, error) {
 	if lim.single != nil {
 		return lim.single, nil
 	}
-	c, err := lim.cluster.MasterForKey(ctx, key)
+	if !lim.mapped.Load() {
+		t := time.NewTimer(lim.cfg.Timeout)
+		select {
+		case <-lim.tried:
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		}
+		t.Stop()
+		if !lim.mapped.Load() {
+			return nil, errNoLayout
+		}
+	}
+	return lim.masterFor(key)
+}
+
+// route returns the node that owns key without waiting: nil while the
+// Cluster's layout is unknown.
+func (lim *Limiter) route(key string) *node {
+	if lim.single != nil {
+		return lim.single
+	}
+	if !lim.mapped.Load() {
+		return nil
+	}
+	nd, _ := lim.masterFor(key)
+	return nd
+}
+
+// masterFor returns the node of key's master from go-redis's loaded
+// layout, which MasterForKey reads without network I/O once it is loaded.
+func (lim *Limiter) masterFor(key string) (*node, error) {
+	c, err := lim.cluster.MasterForKey(lim.ctx, key)
 	if err != nil {
 		return nil, err
 	}
@@ -313,10 +386,9 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (d Decision
 	return d, nil
 }
 
-// decide makes the decision: from what Redis said of the key, by Redis, or
-// by the failure policy.
+// decide makes the decision: from leased tokens, from what Redis said of
+// the key, by Redis, or by the failure policy.
 func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits, d *Decision) error {
-	l, rl := ls.Limit, ls.rl
 	// Tokens leased from Redis are spent first, whether Redis is there
 	// or not: it granted them already.
 	if lim.cfg.Lease > 0 {
@@ -329,51 +401,38 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	// While the one node is away, decide at once, without building
 	// anything for Redis: this path allocates nothing.
 	if nd := lim.single; nd != nil && nd.cb.State() != breaker.StateClosed {
-		lim.fallback(key, n, l, nd, d)
+		lim.fallback(key, n, ls, nd, d)
 		return nil
 	}
 	rkey := lim.cfg.Prefix + key
-	rctx, cancel := context.WithTimeout(ctx, lim.cfg.Timeout)
-	defer cancel()
-	nd, err := lim.nodeFor(rctx, rkey)
+	nd, err := lim.nodeFor(ctx, rkey)
 	if err != nil {
 		if errors.Is(err, ErrClosed) {
 			return err
 		}
-		if callerEnded(ctx, rctx, err) {
-			return ctxErr(ctx)
+		if ctx.Err() != nil {
+			return ctx.Err()
 		}
 		// The Cluster's layout is unknown: no node to ask.
-		lim.fallback(key, n, l, nil, d)
+		lim.fallback(key, n, ls, nil, d)
 		return nil
 	}
 	// While the breaker is not closed, only the prober talks to the node:
 	// no decision waits on a probe.
 	if nd.cb.State() != breaker.StateClosed {
-		lim.fallback(key, n, l, nd, d)
+		lim.fallback(key, n, ls, nd, d)
 		return nil
 	}
 	lim.count.Add(1)
-	if !lim.cfg.noCache {
-		if lim.cached(key, n, ls, d) {
-			return nil
-		}
-	}
-	ticket, ok := nd.cb.Allow()
-	if !ok {
-		lim.fallback(key, n, l, nd, d)
+	if !lim.cfg.noCache && lim.cached(key, n, ls, d) {
 		return nil
 	}
+	rl := ls.rl
 	sent := lim.cfg.now()
-	var res remote.Result
-	if lim.cfg.Lease > 0 {
-		res, err = nd.pipe.Lease(rctx, rkey, rl, n, lim.cfg.Lease)
-	} else {
-		res, err = nd.pipe.Take(rctx, rkey, rl, n)
-	}
-	switch {
-	case err == nil:
-		ticket.Done(nil)
+	req := remote.Request{Key: rkey, Limit: rl, Units: rl.Units(n), Lease: lim.cfg.Lease}
+	res, o := lim.call(ctx, nd, whenClosed, req)
+	switch o {
+	case answered:
 		if res.Leased > 0 {
 			lim.shares.Lease(sent, key, res.Leased, sent.Add(lim.cfg.LeaseFor))
 		}
@@ -383,36 +442,19 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		lim.observe(sent, key, rl, res)
 		*d = Decision{
 			Allowed:    res.Allowed,
-			Remaining:  res.Level / rl.P,
+			Remaining:  max(res.Level, 0) / rl.P,
 			RetryAfter: res.RetryAfter,
 			ResetAfter: res.ResetAfter,
 			Mode:       ModeRemote,
 		}
 		return nil
-	case errors.Is(err, remote.ErrClosed):
-		ticket.Done(breaker.ErrCallerCanceled)
-		return ErrClosed
-	}
-	if callerEnded(ctx, rctx, err) {
-		// The caller's own context ended: not Redis's fault.
-		ticket.Done(fmt.Errorf("%w: %w", breaker.ErrCallerCanceled, err))
+	case callerGone:
+		if lim.closed.Load() {
+			return ErrClosed
+		}
 		return ctxErr(ctx)
 	}
-	if errors.Is(err, remote.ErrUnanswered) {
-		// Redis may still run it: the charge after the outage is less.
-		lim.shares.Unanswered(sent, key, float64(n))
-	}
-	if errors.Is(err, remote.ErrReply) || !breaker.IsFailure(err) {
-		// Redis answered, but not with a decision (a script error, a
-		// reply of the wrong shape): the node is healthy, the key is not.
-		ticket.Done(nil)
-		lim.cfg.Logger.Error("hybridlimit: remote decision failed", "key", rkey, "err", err)
-		lim.fallback(key, n, l, nd, d)
-		return nil
-	}
-	nd.probe.Store(&probe{key: rkey, rl: rl})
-	ticket.Done(err)
-	lim.fallback(key, n, l, nd, d)
+	lim.fallback(key, n, ls, nd, d)
 	return nil
 }
 
@@ -426,8 +468,9 @@ func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, res rem
 	lim.shares.Observe(sent, res.Now, key, rl.Tokens(res.Level), rl.Rate(), float64(rl.Burst))
 }
 
-// cached answers a decision that Redis would deny, from what Redis last
-// said of the key: the bucket held part frac of its burst at time at (when
+// cached answers a decision that Redis would deny, from what Redis said of
+// the key less than cachedFor ago: the bucket held part frac of its burst
+// at time at (when
 // that request was sent, no later than when Redis decided) and cannot have
 // gained more than the refill since, whatever other instances do. If that
 // is less than n, Redis would deny too, so nothing is sent. RetryAfter is
@@ -436,8 +479,12 @@ func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, res rem
 // hold more than that bound; the error lasts at most one RetryAfter.
 func (lim *Limiter) cached(key string, n int64, ls *limits, d *Decision) bool {
 	tokens, r, at, ok := lim.shares.Seen(key)
-	if !ok || r > ls.Rate {
-		// The limit was lowered since: Redis refilled faster meanwhile.
+	// Rates are compared in the form they were recorded in, the fixed
+	// point's: the user's float can differ from it by a rounding step.
+	if !ok || r > ls.rl.Rate() || lim.cfg.now().Sub(at) > cachedFor {
+		// The limit was lowered since (Redis refilled faster meanwhile),
+		// or Redis has not confirmed the key's state for too long: an
+		// operator may have deleted the key, or Redis lost it.
 		return false
 	}
 	rl := ls.rl
@@ -458,6 +505,7 @@ func (lim *Limiter) cached(key string, n int64, ls *limits, d *Decision) bool {
 		RetryAfter: ceilMicros(n*rl.P-units, rl.Q),
 		ResetAfter: ceilMicros(capacity-units, rl.Q),
 		Mode:       ModeRemote,
+		Cached:     true,
 	}
 	return true
 }
@@ -465,23 +513,6 @@ func (lim *Limiter) cached(key string, n int64, ls *limits, d *Decision) bool {
 // ceilMicros returns ceil(units/q) microseconds, as the script computes it.
 func ceilMicros(units, q int64) time.Duration {
 	return time.Duration((units+q-1)/q) * time.Microsecond
-}
-
-// callerEnded reports whether err comes from the caller's context ending
-// rather than from Redis or from our own budget running out. A deadline
-// error counts as the caller's when the caller's deadline is the one rctx
-// inherited: a context's Err lags its deadline by a timer's firing, so the
-// deadlines are compared rather than ctx.Err alone.
-func callerEnded(ctx, rctx context.Context, err error) bool {
-	if ctx.Err() != nil {
-		return true
-	}
-	if !errors.Is(err, context.DeadlineExceeded) {
-		return false
-	}
-	cd, ok := ctx.Deadline()
-	rd, _ := rctx.Deadline()
-	return ok && !cd.After(rd)
 }
 
 // ctxErr returns ctx's error, or DeadlineExceeded if its deadline has
@@ -495,24 +526,23 @@ func ctxErr(ctx context.Context) error {
 
 // fallback decides by the failure policy. nd is the node that could not
 // decide, nil if none was found.
-func (lim *Limiter) fallback(key string, n int64, l Limit, nd *node, d *Decision) {
+func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, d *Decision) {
 	switch lim.cfg.OnFailure {
 	case FailOpen:
 		*d = Decision{Allowed: true, Mode: ModeFailOpen}
 		return
 	case FailClosed:
-		// Until the next probe can have closed the breaker: the rest of
-		// the open period, or, once it is over, a probe's round.
-		*d = Decision{Mode: ModeFailClosed, RetryAfter: probeTick + lim.cfg.Timeout}
-		if nd != nil {
-			if until := nd.cb.OpenUntil(); !until.IsZero() {
-				d.RetryAfter = max(time.Until(until), d.RetryAfter)
-			}
-		}
+		*d = Decision{Mode: ModeFailClosed, RetryAfter: lim.untilProbe(nd)}
 		return
 	}
-	r, burst := lim.share(l)
-	res := lim.shares.AllowN(lim.cfg.now(), key, r, burst, int(n))
+	r, burst, capacity := lim.share(ls.Limit)
+	if capacity <= 0 || n > int64(burst) {
+		// The share can never hold n (or this instance holds none: it has
+		// not heard of the fleet yet): denied until Redis may be back.
+		*d = Decision{Mode: ModeLocal, RetryAfter: lim.untilProbe(nd)}
+		return
+	}
+	res := lim.shares.AllowN(lim.cfg.now(), key, r, burst, capacity, int(n))
 	*d = Decision{
 		Allowed:    res.Allowed,
 		Remaining:  res.Remaining,
@@ -520,41 +550,79 @@ func (lim *Limiter) fallback(key string, n int64, l Limit, nd *node, d *Decision
 		ResetAfter: res.ResetAfter,
 		Mode:       ModeLocal,
 	}
+	if res.Allowed && nd != nil && nd.cb.State() == breaker.StateClosed {
+		// A decision that Redis did not answer, on a node whose breaker
+		// stays closed: nothing else would charge Redis for it.
+		lim.owe()
+	}
 }
 
-// share returns this instance's share of l: rate and burst (at least 1).
-func (lim *Limiter) share(l Limit) (rate.Limit, int) {
-	w := lim.view.Load().weight
-	burst := int64(float64(l.Burst) * w)
-	return rate.Limit(l.Rate * w), int(max(burst, 1))
-}
-
-// background returns a context for the limiter's own Redis calls, which
-// Close ends, and its cancel func, which the caller must call. It starts a
-// goroutine that returns when either happens.
-func (lim *Limiter) background() (context.Context, context.CancelFunc) {
-	ctx, cancel := context.WithCancel(context.Background())
-	go func() {
-		select {
-		case <-lim.done:
-			cancel()
-		case <-ctx.Done():
+// untilProbe returns how long until the next probe of nd can have closed
+// its breaker: the rest of its open period, or, once that is over (or for
+// a breaker still closed), a probe's round.
+func (lim *Limiter) untilProbe(nd *node) time.Duration {
+	d := probeTick + lim.cfg.Timeout
+	if nd != nil {
+		if until := nd.cb.OpenUntil(); !until.IsZero() {
+			d = max(time.Until(until), d)
 		}
-	}()
-	return ctx, cancel
+	}
+	return d
 }
 
-// warm loads the scripts into Redis once, in the background, so that the
-// first decisions do not pay a NOSCRIPT and the source on top of a new
-// connection. A failure is harmless: decisions load them as they go.
+// share returns this instance's share of l: its rate, the burst of its
+// local bucket (at least 1, so that a token can be granted at all), and
+// its capacity, which may be a fraction of a token: the local bucket
+// starts from that, so that a fleet of many instances holding a small
+// burst does not grant a token at each instance at once.
+func (lim *Limiter) share(l Limit) (rate.Limit, int, float64) {
+	w := lim.view.Load().weight
+	capacity := float64(l.Burst) * w
+	return rate.Limit(l.Rate * w), int(max(int64(capacity), 1)), capacity
+}
+
+// warm makes the first contact with Redis in the background, so that the
+// first decisions do not pay for it inside their budget: it loads the
+// scripts into every node's cache (which opens a connection to each) and,
+// for a Cluster, the slot layout, retrying the layout until it loads or
+// Close. A failure to load the scripts is harmless: decisions load them as
+// they go.
 func (lim *Limiter) warm() {
 	defer lim.wg.Done()
-	ctx, cancel := lim.background()
-	defer cancel()
-	ctx, cancelTimeout := context.WithTimeout(ctx, time.Second)
-	defer cancelTimeout()
-	if err := remote.Load(ctx, lim.cfg.Redis); err != nil {
-		lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)
+	if lim.cluster == nil {
+		close(lim.tried)
+		ctx, cancel := context.WithTimeout(lim.ctx, time.Second)
+		defer cancel()
+		if err := remote.Load(ctx, lim.cfg.Redis); err != nil {
+			lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)
+		}
+		return
+	}
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	for wait := 100 * time.Millisecond; ; wait = min(2*wait, 5*time.Second) {
+		ctx, cancel := context.WithTimeout(lim.ctx, time.Second)
+		err := lim.cluster.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+			lim.mapped.Store(true) // ForEachMaster calls fn only once a layout is loaded
+			return remote.Load(ctx, c)
+		})
+		cancel()
+		if wait == 100*time.Millisecond {
+			close(lim.tried)
+		}
+		if lim.mapped.Load() {
+			if err != nil {
+				lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)
+			}
+			return
+		}
+		lim.cfg.Logger.Debug("hybridlimit: loading the Cluster's layout failed", "limiter", lim.cfg.Name, "err", err)
+		t.Reset(wait)
+		select {
+		case <-t.C:
+		case <-lim.done:
+			return
+		}
 	}
 }
 
@@ -584,6 +652,7 @@ func (lim *Limiter) Close() error {
 		lim.closed.Store(true)
 		lim.mu.Unlock()
 		close(lim.done)
+		lim.cancel()
 		lim.wg.Wait()
 		if lim.single != nil {
 			lim.single.pipe.Close()

@@ -107,7 +107,7 @@ func TestLeaseLifecycle(t *testing.T) {
 	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
 	lim := newLimiter(t, Config{
 		Redis: c, Limit: Limit{Rate: 1e-3, Burst: 20}, Lease: 4, LeaseFor: time.Second,
-		Heartbeat: -1, now: clock,
+		Heartbeat: -1, Instances: 1, now: clock,
 	})
 	ctx := context.Background()
 	step := func(what string, wantMode Mode, wantAllowed bool, wantRemaining int64) Decision {

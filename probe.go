@@ -5,64 +5,94 @@ import (
 	"time"
 
 	"github.com/hybridlimit/hybridlimit/breaker"
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
-// probeTick is how often the prober looks for breakers due for a probe.
+// probeTick is how often the prober looks for breakers due for a probe
+// while any breaker is not closed.
 const probeTick = 20 * time.Millisecond
 
 // prober probes every node whose breaker's open period has ended, until
 // Close. Decisions never probe: while a breaker is not closed they go to
 // the failure policy at once, so no caller waits on a Redis that is still
-// away, and the open period can be short.
+// away, and the open period can be short. While every breaker is closed
+// the prober sleeps until one opens: an idle Limiter wakes no goroutine.
 func (lim *Limiter) prober() {
 	defer lim.wg.Done()
-	ctx, cancel := lim.background() // Close ends a probe or charge in flight
-	defer cancel()
-	t := time.NewTicker(probeTick)
+	t := time.NewTimer(probeTick)
 	defer t.Stop()
 	for {
+		if !lim.anyOpen() {
+			select {
+			case <-lim.opened:
+			case <-lim.done:
+				return
+			}
+		}
+		t.Reset(probeTick)
 		select {
 		case <-t.C:
 		case <-lim.done:
 			return
 		}
-		if lim.single != nil {
-			lim.probe(ctx, lim.single)
-		}
-		for _, nd := range *lim.nodes.Load() {
-			lim.probe(ctx, nd)
-		}
+		lim.forNodes(func(nd *node) { lim.probe(lim.ctx, nd) })
 	}
 }
 
-// probe sends one probe to nd if its breaker is open and due: the charge
-// script, taking nothing, on the last key that failed there. It runs the
-// same code path as a decision, writes included, so a Redis that answers
-// PING but cannot run or write scripts (OOM, READONLY, BUSY) stays open.
+// anyOpen reports whether any node's breaker is not closed.
+func (lim *Limiter) anyOpen() bool {
+	open := false
+	lim.forNodes(func(nd *node) { open = open || nd.cb.State() != breaker.StateClosed })
+	return open
+}
+
+// forNodes calls fn for every node.
+func (lim *Limiter) forNodes(fn func(*node)) {
+	if lim.single != nil {
+		fn(lim.single)
+	}
+	for _, nd := range *lim.nodes.Load() {
+		fn(nd)
+	}
+}
+
+// probe sends nd's probes if its breaker is due: open past its open
+// period, or half-open. A probe is the charge script, taking nothing, on
+// the last key that failed there: it runs the same code path as a
+// decision, writes included, so a Redis that answers PING but cannot run
+// or write scripts (OOM, READONLY, BUSY) stays open. Config.Breaker.Probes
+// probes are sent one after another; the first failure reopens the breaker.
 //
-// When the probe succeeds, it charges Redis with the local spending
-// (reconcile) before it reports the success that closes the breaker: once
-// closed, decisions go to buckets that refilled in Redis time all along,
-// and any decision sent before the charge landed would take from a bucket
-// still full. The reconciler charges again, when the breaker has closed,
-// what was spent locally in between.
+// Before the last probe reports the success that closes the breaker, it
+// charges Redis with the local spending (reconcile): once closed,
+// decisions go to buckets that refilled in Redis time all along, and any
+// decision sent before the charge landed would take from a bucket still
+// full.
 func (lim *Limiter) probe(ctx context.Context, nd *node) {
-	if nd.cb.State() != breaker.StateOpen || time.Now().Before(nd.cb.OpenUntil()) {
-		return
+	for i := 1; ; i++ {
+		switch nd.cb.State() {
+		case breaker.StateClosed:
+			return
+		case breaker.StateOpen:
+			if time.Now().Before(nd.cb.OpenUntil()) {
+				return
+			}
+		}
+		p := nd.probe.Load()
+		if p == nil {
+			return
+		}
+		ticket, ok := nd.cb.Allow()
+		if !ok {
+			return
+		}
+		_, _, verdict := lim.send(ctx, nd, remote.Request{Key: p.key, Limit: p.rl, Charge: true})
+		if verdict == breaker.Success && i >= lim.cfg.Breaker.Probes {
+			lim.reconcile(ctx, nd)
+		}
+		ticket.Done(verdict)
+		if verdict != breaker.Success {
+			return
+		}
 	}
-	p := nd.probe.Load()
-	if p == nil {
-		return
-	}
-	ticket, ok := nd.cb.Allow()
-	if !ok {
-		return
-	}
-	pctx, cancel := context.WithTimeout(ctx, lim.cfg.Timeout)
-	defer cancel()
-	_, err := nd.pipe.Charge(pctx, p.key, p.rl, 0)
-	if err == nil {
-		lim.reconcile(ctx, nd)
-	}
-	ticket.Done(err)
 }

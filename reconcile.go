@@ -3,73 +3,137 @@ package hybridlimit
 import (
 	"context"
 	"math"
+	"sync"
+	"time"
 
+	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/remote"
 )
 
-// reconciler charges Redis, when a node's breaker closes, with what this
-// instance spent on its local shares of that node's keys while the node was
-// away. Meanwhile the node's buckets refilled in Redis time; without the
-// charge, the first second back could grant a full burst on top of what the
-// local shares just spent.
-func (lim *Limiter) reconciler() {
-	defer lim.wg.Done()
-	ctx, cancel := lim.background() // Close ends a charge in flight
-	defer cancel()
-	for {
-		select {
-		case nd := <-lim.healed:
-			lim.reconcile(ctx, nd)
-		case <-lim.done:
-			return
-		}
+// reconcileAfter is how long the reconciler waits, after a local decision
+// on a node whose breaker stayed closed, before it charges Redis: the
+// decisions of a burst of time-outs are charged together.
+const reconcileAfter = 100 * time.Millisecond
+
+// chargers bounds the charges in flight at once; the node's pipe batches
+// them.
+const chargers = 64
+
+// owe tells the reconciler that a local decision was made on a node whose
+// breaker is closed, so that nothing else would charge Redis for it.
+func (lim *Limiter) owe() {
+	select {
+	case lim.owed <- struct{}{}:
+	default: // one is pending already
 	}
 }
 
-// reconcile charges nd with the local spending on its keys, one script
-// call per key, sent together so that the node's pipe batches them.
+// reconciler charges Redis with what this instance spent on its local
+// shares while Redis did not answer: when a node's breaker closes, and
+// shortly after local decisions made while a breaker stayed closed (a
+// time-out now and then). Meanwhile Redis's buckets refilled in Redis time;
+// without the charge, the fleet would admit the local spending on top of
+// the limit.
+func (lim *Limiter) reconciler() {
+	defer lim.wg.Done()
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	defer t.Stop()
+	for {
+		select {
+		case <-lim.healed:
+		case <-lim.owed:
+			t.Reset(reconcileAfter)
+			select {
+			case <-t.C:
+			case <-lim.done:
+				return
+			}
+		case <-lim.done:
+			return
+		}
+		lim.reconcile(lim.ctx, nil)
+	}
+}
+
+// reconcile charges Redis with the local spending on every key whose node
+// can take the charge now: its breaker is closed, or it is probing, the
+// node whose probe holds the half-open ticket (nil if none). Each key's
+// current owner is charged, so that after a Cluster failover the spending
+// goes to the new master.
 //
-// Each instance knows only its own spending, and instances come back one
-// by one, each at its own next probe. So each charges what the whole fleet
-// would have spent at its pace: its own spending divided by its share of
-// the limit, up to the burst. The first instance back thus brings the
-// bucket down to about what the fleet left in it, rather than leaving it
-// full for itself while the others still spend their local shares; those
-// that follow charge a bucket that is about empty already, and the script
-// never takes it below zero. The error is on the side of refusing: the
-// bucket may hold a little less than the fleet really left in it.
-func (lim *Limiter) reconcile(ctx context.Context, nd *node) {
+// Each instance charges what it spent itself, at most a burst per key, and
+// the script lets a charge take the bucket into debt, down to one burst:
+// instances come back one by one, each at its own probe, and a charge that
+// met a bucket already emptied by others is kept rather than lost. Over
+// the fleet the charges add up to what it spent without Redis, and the
+// refill pays the debt. A charge that fails is owed to the next
+// reconciliation, and its spending is kept off the local buckets meanwhile.
+func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
 	if lim.cfg.noReconcile {
 		return
 	}
-	w := lim.view.Load().weight
-	var match func(key string) bool
-	if lim.cluster != nil {
-		match = func(key string) bool {
-			c, err := lim.cluster.MasterForKey(ctx, lim.cfg.Prefix+key)
-			return err == nil && c.Options().Addr == nd.addr
+	// The prober and the reconciler both reconcile: one at a time, or
+	// both would report what the other has in flight.
+	lim.reconciling.Lock()
+	defer lim.reconciling.Unlock()
+	reachable := func(key string) *node {
+		nd := lim.route(lim.cfg.Prefix + key)
+		if nd == nil || nd != probing && nd.cb.State() != breaker.StateClosed {
+			return nil
 		}
+		return nd
 	}
-	var charges []remote.Spend
-	lim.shares.Drain(lim.cfg.now(), match, func(key string, spent float64) {
+	type charge struct {
+		nd    *node
+		key   string
+		spent float64
+		req   remote.Request
+	}
+	var charges []charge
+	now := lim.cfg.now()
+	lim.shares.Drain(now, func(key string) bool { return reachable(key) != nil }, func(key string, spent float64) {
+		nd := reachable(key)
 		var own limits
 		ls, err := lim.limitFor(key, &own)
-		if err != nil {
-			return
+		if nd == nil || err != nil {
+			return // reported again by the next Drain
 		}
-		l, rl := ls.Limit, ls.rl
-		fleet := math.Min(spent/w, float64(l.Burst))
-		charges = append(charges, remote.Spend{
-			Key: lim.cfg.Prefix + key, Limit: rl, Units: int64(math.Round(fleet * float64(rl.P))),
-		})
+		rl := ls.rl
+		units := int64(math.Round(math.Min(spent, float64(ls.Burst)) * float64(rl.P)))
+		charges = append(charges, charge{nd, key, spent,
+			remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Units: units, Charge: true}})
 	})
 	if len(charges) == 0 {
 		return
 	}
-	// Each charge gets the decision budget; they are sent together.
-	cctx, cancel := context.WithTimeout(ctx, lim.cfg.Timeout*4)
-	defer cancel()
-	failed := nd.pipe.ChargeAll(cctx, charges)
+	var (
+		mu     sync.Mutex
+		failed int
+		wg     sync.WaitGroup
+		sem    = make(chan struct{}, chargers)
+	)
+	for _, c := range charges {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			p := charging
+			if c.nd == probing {
+				p = underProbe
+			}
+			// A charge that was sent and not answered may still be run
+			// by Redis, as a paused one does when it resumes: sending it
+			// again could charge twice.
+			if _, o := lim.call(ctx, c.nd, p, c.req); o == answered || o == unanswered {
+				lim.shares.Settle(c.key, c.spent)
+				return
+			}
+			mu.Lock()
+			failed++
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
 	lim.cfg.Logger.Info("hybridlimit: charged Redis for local spending",
-		"limiter", lim.cfg.Name, "node", nd.addr, "keys", len(charges), "failed", failed)
+		"limiter", lim.cfg.Name, "keys", len(charges), "failed", failed)
 }

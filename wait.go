@@ -6,7 +6,7 @@ import (
 	"math/rand/v2"
 	"time"
 
-	"github.com/hybridlimit/hybridlimit/breaker"
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // Wait is shorthand for WaitN(ctx, key, 1).
@@ -90,27 +90,17 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 		return nil
 	}
 	rkey := lim.cfg.Prefix + key
-	rctx, cancel := context.WithTimeout(ctx, lim.cfg.Timeout)
-	defer cancel()
-	nd, err := lim.nodeFor(rctx, rkey)
+	nd, err := lim.nodeFor(ctx, rkey)
 	if err != nil {
-		return nil
-	}
-	ticket, ok := nd.cb.Allow()
-	if !ok {
 		return nil
 	}
 	rl := ls.rl
 	sent := lim.cfg.now()
-	res, err := nd.pipe.Take(rctx, rkey, rl, -n)
-	if err == nil {
+	// The decision's path: a refund goes nowhere while the node's breaker
+	// is not closed, so it never takes a probe's ticket.
+	if res, o := lim.call(ctx, nd, whenClosed, remote.Request{Key: rkey, Limit: rl, Units: rl.Units(-n)}); o == answered {
 		// What Redis says now supersedes what a cached denial would use.
 		lim.observe(sent, key, rl, res)
 	}
-	if err != nil && callerEnded(ctx, rctx, err) {
-		ticket.Done(breaker.ErrCallerCanceled)
-		return nil
-	}
-	ticket.Done(err)
 	return nil
 }

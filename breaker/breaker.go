@@ -1,13 +1,15 @@
 // Package breaker guards the remote decision path of one Redis node with a
-// circuit breaker: a thin wrapper over gobreaker's TwoStepCircuitBreaker that
-// decides which errors count (see IsFailure and IsExcluded), lengthens each
-// open period by a random jitter, rejects calls lock-free while open, and runs
-// the OnStateChange hook outside every lock.
+// circuit breaker: a thin wrapper over gobreaker's TwoStepCircuitBreaker
+// that takes typed outcomes (it knows nothing of Redis's errors: the caller
+// classifies them), lengthens each open period by a random jitter, rejects
+// calls lock-free while open, and runs the OnStateChange hook outside every
+// lock.
 //
 // A Breaker is safe for concurrent use by multiple goroutines.
 package breaker
 
 import (
+	"errors"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -130,11 +132,43 @@ func New(s Settings) *Breaker {
 			return c.ConsecutiveFailures >= failures
 		},
 		OnStateChange: b.record,
-		IsSuccessful:  func(err error) bool { return !IsFailure(err) },
-		IsExcluded:    IsExcluded,
+		IsSuccessful:  func(err error) bool { return err == nil },
+		IsExcluded:    func(err error) bool { return err == errExcluded },
 	})
 	return b
 }
+
+// Outcome is what became of a call that Allow let through.
+type Outcome uint8
+
+// The outcomes of a call.
+const (
+	// Success: the node answered.
+	Success Outcome = iota
+	// Failure: the node failed to answer; consecutive failures open the
+	// breaker.
+	Failure
+	// Excluded: the call says nothing of the node (its caller gave up
+	// first); it counts as neither success nor failure.
+	Excluded
+)
+
+// String returns the outcome's name, such as "failure".
+func (o Outcome) String() string {
+	switch o {
+	case Success:
+		return "success"
+	case Failure:
+		return "failure"
+	}
+	return "excluded"
+}
+
+// The errors gobreaker is given for each Outcome.
+var (
+	errFailure  = errors.New("breaker: failure")
+	errExcluded = errors.New("breaker: excluded")
+)
 
 // Ticket is a call that Allow let through. Its Done must be called exactly
 // once with the call's error. A Ticket is a value, so letting a call
@@ -145,14 +179,19 @@ type Ticket struct {
 	gen  uint64
 }
 
-// Done reports the call's outcome: nil on success, an error marked with
-// ErrCallerCanceled when the caller's context ended (see IsFailure and
-// IsExcluded for how errors count).
-func (t Ticket) Done(err error) {
+// Done reports the call's outcome.
+func (t Ticket) Done(o Outcome) {
 	// After a transition gobreaker ignores the results of earlier calls,
 	// but its bookkeeping could still move it from open to half-open
 	// before openUntil; skip the call instead.
 	if t.b.gen.Load() == t.gen {
+		var err error
+		switch o {
+		case Failure:
+			err = errFailure
+		case Excluded:
+			err = errExcluded
+		}
 		t.done(err)
 	}
 	t.b.notify()
@@ -182,7 +221,7 @@ func (b *Breaker) Allow() (Ticket, bool) {
 		delivered := false
 		defer func() {
 			if !delivered {
-				cbDone(ErrCallerCanceled)
+				cbDone(errExcluded)
 			}
 		}()
 		b.notify()

@@ -1,43 +1,20 @@
 package breaker
 
 import (
-	"bufio"
-	"context"
-	"errors"
 	"fmt"
-	"io"
-	"net"
-	"os"
 	"runtime"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"testing/synctest"
 	"time"
-
-	"github.com/redis/go-redis/v9"
 )
 
-// errDown is a failure: the node reset the connection.
-var errDown = &net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}
-
-// errWrongType is a healthy answer: the server replied with an error.
-var errWrongType = serverError("WRONGTYPE Operation against a key holding the wrong kind of value")
-
-// serverError is an error the server answered with, as go-redis's redis.Error.
-type serverError string
-
-func (e serverError) Error() string { return string(e) }
-func (serverError) RedisError()     {}
-
-// call is one step of a run: Allow, then Done(err) if Allow let it through.
+// call is one step of a run: Allow, then Done(o) if Allow let it through.
 type call struct {
-	err    error // result of the remote call
-	wantOK bool  // want from Allow
-	want   State // want from State afterwards
+	o      Outcome // result of the remote call
+	wantOK bool    // want from Allow
+	want   State   // want from State afterwards
 }
 
 func run(t *testing.T, cb *Breaker, calls []call) {
@@ -48,12 +25,12 @@ func run(t *testing.T, cb *Breaker, calls []call) {
 			t.Fatalf("call %d: Allow() ok = %v; want %v", i, ok, c.wantOK)
 		}
 		if ok {
-			done.Done(c.err)
+			done.Done(c.o)
 		} else if done.b != nil || done.done != nil {
 			t.Fatalf("call %d: Allow() = %+v, false; want a zero Ticket", i, done)
 		}
 		if got := cb.State(); got != c.want {
-			t.Fatalf("call %d (err %v): State() = %v; want %v", i, c.err, got, c.want)
+			t.Fatalf("call %d (%v): State() = %v; want %v", i, c.o, got, c.want)
 		}
 	}
 }
@@ -61,7 +38,7 @@ func run(t *testing.T, cb *Breaker, calls []call) {
 // trip opens cb, which must be closed and have Failures 1.
 func trip(t *testing.T, cb *Breaker) {
 	t.Helper()
-	run(t, cb, []call{{errDown, true, StateOpen}})
+	run(t, cb, []call{{Failure, true, StateOpen}})
 }
 
 // allowN takes n calls that must be allowed and returns their done funcs.
@@ -81,15 +58,15 @@ func allowN(t *testing.T, cb *Breaker, n int) []Ticket {
 func TestTripsAfterFailuresInARow(t *testing.T) {
 	cb := New(Settings{Failures: 3})
 	run(t, cb, []call{
-		{errDown, true, StateClosed},
-		{errDown, true, StateClosed},
-		{nil, true, StateClosed}, // Failures-1, then a success: starts over
-		{errDown, true, StateClosed},
-		{errWrongType, true, StateClosed}, // the server answered: a success too
-		{errDown, true, StateClosed},
-		{errDown, true, StateClosed},
-		{errDown, true, StateOpen}, // Failures in a row
-		{nil, false, StateOpen},
+		{Failure, true, StateClosed},
+		{Failure, true, StateClosed},
+		{Success, true, StateClosed}, // Failures-1, then a success: starts over
+		{Failure, true, StateClosed},
+		{Success, true, StateClosed},
+		{Failure, true, StateClosed},
+		{Failure, true, StateClosed},
+		{Failure, true, StateOpen}, // Failures in a row
+		{Success, false, StateOpen},
 	})
 }
 
@@ -98,9 +75,9 @@ func TestDefaults(t *testing.T) {
 		cb := New(Settings{})
 		calls := make([]call, 4, 6)
 		for i := range calls {
-			calls[i] = call{errDown, true, StateClosed}
+			calls[i] = call{Failure, true, StateClosed}
 		}
-		calls = append(calls, call{errDown, true, StateOpen}, call{nil, false, StateOpen})
+		calls = append(calls, call{Failure, true, StateOpen}, call{Success, false, StateOpen})
 		run(t, cb, calls) // 5 failures
 
 		d := time.Until(cb.OpenUntil())
@@ -109,8 +86,8 @@ func TestDefaults(t *testing.T) {
 		}
 		time.Sleep(d + 1)
 		done := allowN(t, cb, 1)[0] // 1 probe
-		run(t, cb, []call{{nil, false, StateHalfOpen}})
-		done.Done(nil)
+		run(t, cb, []call{{Success, false, StateHalfOpen}})
+		done.Done(Success)
 		if got := cb.State(); got != StateClosed {
 			t.Fatalf("State() = %v after the probe succeeded; want closed", got)
 		}
@@ -126,11 +103,11 @@ func TestOpenRejectsUntilOpenFor(t *testing.T) {
 			t.Fatalf("OpenUntil() = %v; want %v", got, want)
 		}
 		time.Sleep(time.Second - 1)
-		run(t, cb, []call{{nil, false, StateOpen}})
+		run(t, cb, []call{{Success, false, StateOpen}})
 		time.Sleep(1) // exactly OpenFor: gobreaker waits until after it
-		run(t, cb, []call{{nil, false, StateOpen}})
+		run(t, cb, []call{{Success, false, StateOpen}})
 		time.Sleep(1)
-		run(t, cb, []call{{nil, true, StateClosed}})
+		run(t, cb, []call{{Success, true, StateClosed}})
 		if got := cb.OpenUntil(); !got.IsZero() {
 			t.Fatalf("OpenUntil() = %v when closed; want zero", got)
 		}
@@ -166,9 +143,9 @@ func TestJitter(t *testing.T) {
 					// gobreaker's own Timeout has passed here, so an Allow
 					// that called into it would move it to half-open.
 					time.Sleep(d - 1)
-					run(t, cb, []call{{nil, false, StateOpen}})
+					run(t, cb, []call{{Success, false, StateOpen}})
 					time.Sleep(2)
-					run(t, cb, []call{{nil, true, StateClosed}})
+					run(t, cb, []call{{Success, true, StateClosed}})
 				}
 				if tt.jitter < 0 {
 					if len(seen) != 1 {
@@ -200,16 +177,16 @@ func TestLateResultKeepsOpen(t *testing.T) {
 		for range 10 {
 			cb = New(Settings{Failures: 1, OpenFor: openFor, Jitter: 1})
 			late = allowN(t, cb, 2)
-			late[0].Done(errDown)
+			late[0].Done(Failure)
 			if d = time.Until(cb.OpenUntil()); d >= openFor+2 {
 				break
 			}
 		}
 		time.Sleep(openFor + (d-openFor)/2)
-		late[1].Done(nil)
-		run(t, cb, []call{{nil, false, StateOpen}})
+		late[1].Done(Success)
+		run(t, cb, []call{{Success, false, StateOpen}})
 		time.Sleep(time.Until(cb.OpenUntil()) + 1)
-		run(t, cb, []call{{nil, true, StateClosed}})
+		run(t, cb, []call{{Success, true, StateClosed}})
 	})
 }
 
@@ -222,14 +199,14 @@ func TestHalfOpen(t *testing.T) {
 		trip(t, cb)
 		time.Sleep(time.Second + 1)
 		dones := allowN(t, cb, probes)
-		run(t, cb, []call{{nil, false, StateHalfOpen}})
+		run(t, cb, []call{{Success, false, StateHalfOpen}})
 		return cb, dones
 	}
 	t.Run("all succeed", func(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
 			cb, dones := halfOpen(t)
 			for i, done := range dones {
-				done.Done(nil)
+				done.Done(Success)
 				want := StateHalfOpen
 				if i == len(dones)-1 {
 					want = StateClosed
@@ -243,29 +220,29 @@ func TestHalfOpen(t *testing.T) {
 	t.Run("one fails", func(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
 			cb, dones := halfOpen(t)
-			dones[0].Done(nil)
-			dones[1].Done(errDown)
+			dones[0].Done(Success)
+			dones[1].Done(Failure)
 			if got := cb.State(); got != StateOpen {
 				t.Fatalf("State() = %v after a failed probe; want open", got)
 			}
 			if got, want := cb.OpenUntil(), time.Now().Add(time.Second); !got.Equal(want) {
 				t.Fatalf("OpenUntil() = %v; want %v", got, want)
 			}
-			dones[2].Done(nil) // from before the reopening: ignored
-			run(t, cb, []call{{nil, false, StateOpen}})
+			dones[2].Done(Success) // from before the reopening: ignored
+			run(t, cb, []call{{Success, false, StateOpen}})
 		})
 	})
 	t.Run("excluded frees its slot", func(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
 			cb, dones := halfOpen(t)
-			dones[0].Done(ErrCallerCanceled)
+			dones[0].Done(Excluded)
 			if got := cb.State(); got != StateHalfOpen {
 				t.Fatalf("State() = %v after an excluded probe; want half-open", got)
 			}
 			dones[0] = allowN(t, cb, 1)[0]
-			run(t, cb, []call{{nil, false, StateHalfOpen}})
+			run(t, cb, []call{{Success, false, StateHalfOpen}})
 			for _, done := range dones {
-				done.Done(nil)
+				done.Done(Success)
 			}
 			if got := cb.State(); got != StateClosed {
 				t.Fatalf("State() = %v; want closed", got)
@@ -276,196 +253,12 @@ func TestHalfOpen(t *testing.T) {
 
 func TestExcludedNeverOpens(t *testing.T) {
 	cb := New(Settings{Failures: 2})
-	excluded := []error{
-		fmt.Errorf("%w: %w", ErrCallerCanceled, context.DeadlineExceeded),
-		fmt.Errorf("%w: %w", ErrCallerCanceled, errDown),
-		context.Canceled,
-		fmt.Errorf("evalsha: %w", context.Canceled),
-	}
-	run(t, cb, []call{{errDown, true, StateClosed}})
-	for _, err := range excluded {
-		for range 1000 {
-			run(t, cb, []call{{err, true, StateClosed}})
-		}
+	run(t, cb, []call{{Failure, true, StateClosed}})
+	for range 4000 {
+		run(t, cb, []call{{Excluded, true, StateClosed}})
 	}
 	// Excluded results neither count nor end the run of failures.
-	run(t, cb, []call{{errDown, true, StateOpen}})
-}
-
-func TestIsFailure(t *testing.T) {
-	for _, tt := range []struct {
-		err      error
-		failure  bool
-		excluded bool
-	}{
-		{nil, false, false},
-
-		// The server answered: healthy.
-		{redis.Nil, false, false},
-		{redis.ErrNoScript, false, false},
-		{errWrongType, false, false},
-		{serverError("ERR wrong number of arguments for 'evalsha' command"), false, false},
-		{serverError("ERR user_script:1: Script attempted to access nonexistent global variable 'x'"), false, false},
-		{serverError("NOSCRIPT No matching script. Please use EVAL."), false, false},
-		{serverError("BUSYKEY Target key name already exists."), false, false},
-		{serverError("BUSYGROUP Consumer Group name already exists"), false, false},
-		{fmt.Errorf("remote: %w", errWrongType), false, false},
-
-		// The server answered that it cannot decide.
-		{serverError("LOADING Redis is loading the dataset in memory"), true, false},
-		{serverError("READONLY You can't write against a read only replica."), true, false},
-		{serverError("ERR Error running script (call to f_0123): @user_script:1: -READONLY You can't write against a read only replica."), true, false},
-		{serverError("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."), true, false},
-		{serverError("CLUSTERDOWN The cluster is down"), true, false},
-		{serverError("OOM command not allowed when used memory > 'maxmemory'."), true, false},
-		{serverError("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."), true, false},
-		{serverError("TRYAGAIN Multiple keys request during rehashing of slot"), true, false},
-		{serverError("NOREPLICAS Not enough good replicas to write."), true, false},
-		{serverError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk."), true, false},
-		{serverError("MOVED 3999 127.0.0.1:6381"), true, false},
-		{serverError("ASK 3999 127.0.0.1:6381"), true, false},
-		{serverError("ERR max number of clients reached"), true, false},
-		{fmt.Errorf("remote: %w", serverError("LOADING Redis is loading the dataset in memory")), true, false},
-
-		// No answer.
-		{&net.OpError{Op: "dial", Net: "tcp", Err: &os.SyscallError{Syscall: "connect", Err: syscall.ECONNREFUSED}}, true, false},
-		{errDown, true, false},
-		{syscall.ECONNRESET, true, false},
-		{syscall.EPIPE, true, false},
-		{&net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}, true, false},
-		{&net.DNSError{Err: "no such host", Name: "redis", IsNotFound: true}, true, false},
-		{io.EOF, true, false},
-		{io.ErrUnexpectedEOF, true, false},
-		{fmt.Errorf("remote: %w", io.EOF), true, false},
-		{context.DeadlineExceeded, true, false}, // our own time budget
-		{fmt.Errorf("remote: %w", context.DeadlineExceeded), true, false},
-		{redis.ErrPoolTimeout, true, false},
-		{redis.ErrPoolExhausted, true, false},
-		{redis.ErrClosed, true, false},
-		{errors.New("redis: can't parse \"?\""), true, false},
-
-		// The caller's own cancellation: excluded.
-		{ErrCallerCanceled, false, true},
-		{fmt.Errorf("%w: %w", ErrCallerCanceled, context.DeadlineExceeded), false, true},
-		{fmt.Errorf("%w: %w", ErrCallerCanceled, errDown), false, true},
-		{context.Canceled, false, true},
-		{fmt.Errorf("remote: %w", context.Canceled), false, true},
-	} {
-		if got := IsFailure(tt.err); got != tt.failure {
-			t.Errorf("IsFailure(%#v) = %v; want %v", tt.err, got, tt.failure)
-		}
-		if got := IsExcluded(tt.err); got != tt.excluded {
-			t.Errorf("IsExcluded(%#v) = %v; want %v", tt.err, got, tt.excluded)
-		}
-	}
-}
-
-// TestIsFailureGoRedis classifies errors as go-redis returns them, from a
-// fake server on an in-memory net.Pipe.
-func TestIsFailureGoRedis(t *testing.T) {
-	for _, tt := range []struct {
-		reply   string // RESP reply to every command but HELLO; "" closes, "hang" never replies
-		failure bool
-	}{
-		{"$-1\r\n", false}, // redis.Nil
-		{"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n", false},
-		{"-ERR unknown command 'x'\r\n", false},
-		{"-NOSCRIPT No matching script. Please use EVAL.\r\n", false},
-		{"-LOADING Redis is loading the dataset in memory\r\n", true},
-		{"-READONLY You can't write against a read only replica.\r\n", true},
-		{"-MASTERDOWN Link with MASTER is down\r\n", true},
-		{"-CLUSTERDOWN The cluster is down\r\n", true},
-		{"-OOM command not allowed when used memory > 'maxmemory'.\r\n", true},
-		{"-BUSY Redis is busy running a script.\r\n", true},
-		{"-TRYAGAIN Multiple keys request during rehashing of slot\r\n", true},
-		{"-NOREPLICAS Not enough good replicas to write.\r\n", true},
-		{"-MISCONF Redis is configured to save RDB snapshots\r\n", true},
-		{"-MOVED 3999 127.0.0.1:6381\r\n", true},
-		{"-ASK 3999 127.0.0.1:6381\r\n", true},
-		{"-ERR max number of clients reached\r\n", true},
-		{"", true},     // EOF
-		{"hang", true}, // read time-out
-	} {
-		client := redis.NewClient(&redis.Options{
-			Addr: "fake:6379",
-			Dialer: func(context.Context, string, string) (net.Conn, error) {
-				conn, srv := net.Pipe()
-				go serve(srv, tt.reply)
-				return conn, nil
-			},
-			Protocol:        2,
-			DisableIdentity: true,
-			MaxRetries:      -1,
-			ReadTimeout:     50 * time.Millisecond,
-		})
-		err := client.Get(context.Background(), "k").Err()
-		client.Close()
-		if err == nil {
-			t.Errorf("reply %q: Get returned no error", tt.reply)
-			continue
-		}
-		if got := IsFailure(err); got != tt.failure {
-			t.Errorf("reply %q: IsFailure(%#v) = %v; want %v", tt.reply, err, got, tt.failure)
-		}
-	}
-}
-
-// serve answers each command read from conn with reply, and HELLO with an
-// error so that go-redis stays on RESP2. It returns when conn is closed.
-func serve(conn net.Conn, reply string) {
-	defer conn.Close()
-	r := bufio.NewReader(conn)
-	for {
-		name, err := readCommand(r)
-		if err != nil {
-			return
-		}
-		switch {
-		case strings.EqualFold(name, "HELLO"):
-			_, err = io.WriteString(conn, "-ERR unknown command 'HELLO'\r\n")
-		case reply == "":
-			return
-		case reply == "hang":
-		default:
-			_, err = io.WriteString(conn, reply)
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
-// readCommand reads one RESP array of bulk strings and returns its first element.
-func readCommand(r *bufio.Reader) (string, error) {
-	line := func(prefix byte) (int, error) {
-		s, err := r.ReadString('\n')
-		if err != nil {
-			return 0, err
-		}
-		if len(s) < 3 || s[0] != prefix {
-			return 0, fmt.Errorf("unexpected line %q", s)
-		}
-		return strconv.Atoi(strings.TrimSuffix(s[1:], "\r\n"))
-	}
-	n, err := line('*')
-	if err != nil {
-		return "", err
-	}
-	var name string
-	for i := range n {
-		size, err := line('$')
-		if err != nil {
-			return "", err
-		}
-		buf := make([]byte, size+2)
-		if _, err := io.ReadFull(r, buf); err != nil {
-			return "", err
-		}
-		if i == 0 {
-			name = string(buf[:size])
-		}
-	}
-	return name, nil
+	run(t, cb, []call{{Failure, true, StateOpen}})
 }
 
 // TestOnStateChangeOutsideLocks runs in real time: a hook called with a lock
@@ -502,7 +295,7 @@ func TestOnStateChangeOutsideLocks(t *testing.T) {
 			// Refused while open or while the one probe is out; once
 			// closed, this call fails and opens the breaker again.
 			if done, ok := cb.Allow(); ok {
-				done.Done(errDown)
+				done.Done(Failure)
 			}
 		},
 	})
@@ -511,11 +304,11 @@ func TestOnStateChangeOutsideLocks(t *testing.T) {
 	go func() {
 		defer close(finished)
 		if done, ok := cb.Allow(); ok {
-			done.Done(errDown)
+			done.Done(Failure)
 		}
 		time.Sleep(openFor + openFor/2)
 		if done, ok := cb.Allow(); ok {
-			done.Done(nil)
+			done.Done(Success)
 		}
 	}()
 	select {
@@ -562,11 +355,11 @@ func TestOnStateChangeInOrder(t *testing.T) {
 				}
 				switch (g + i) % 3 {
 				case 0:
-					done.Done(nil)
+					done.Done(Success)
 				case 1:
-					done.Done(errDown)
+					done.Done(Failure)
 				default:
-					done.Done(ErrCallerCanceled)
+					done.Done(Excluded)
 				}
 			}
 		})
@@ -613,7 +406,7 @@ func TestOnStateChangePanics(t *testing.T) {
 		}()
 		// The probe the panic took from the caller was given back, and the
 		// hook is called for later transitions.
-		run(t, cb, []call{{nil, true, StateClosed}})
+		run(t, cb, []call{{Success, true, StateClosed}})
 		if calls != 3 {
 			t.Fatalf("OnStateChange called %d times; want 3", calls)
 		}
@@ -636,7 +429,7 @@ func TestAllowOpenDoesNotAllocate(t *testing.T) {
 func BenchmarkAllowOpen(b *testing.B) {
 	cb := New(Settings{Failures: 1, OpenFor: time.Hour})
 	if done, ok := cb.Allow(); ok {
-		done.Done(errDown)
+		done.Done(Failure)
 	}
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
@@ -657,7 +450,7 @@ func BenchmarkAllowClosed(b *testing.B) {
 			if !ok {
 				panic("Allow() = false while closed")
 			}
-			done.Done(nil)
+			done.Done(Success)
 		}
 	})
 }

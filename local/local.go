@@ -86,10 +86,10 @@ type bucket struct {
 	// seed is what lim held at seedAt when it was created, for Drain.
 	seed   float64
 	seedAt mono
-	// unanswered counts tokens of decisions sent to Redis whose answer
-	// never came: Redis may still have taken them. Drain charges less by
-	// as much.
-	unanswered float64
+	// owed is spending that Drain reported and Redis has not confirmed
+	// (Settle) yet: the next Drain reports it again, and a new local
+	// bucket starts with as many fewer tokens.
+	owed float64
 
 	// tokens is what Redis reported the key's bucket held at time seen
 	// (zero: never), rate what it refills per second and size its burst;
@@ -170,7 +170,12 @@ type Result struct {
 }
 
 // AllowN takes n tokens from key's bucket at time now, creating the bucket
-// full with the given rate (tokens/second) and burst if the key has none. If
+// with the given rate (tokens/second) and burst if the key has none. A new
+// bucket holds capacity tokens (at most burst), or, if Observe recorded
+// what Redis said of the key, the same part of capacity that Redis's bucket
+// held, refilled since. capacity may be a fraction of a token (an
+// instance's share of a small burst): the bucket then starts with that
+// fraction, and a token is granted only once the refill has made it whole. If
 // the key's bucket exists with another rate or burst, it is changed to the new
 // values first (SetLimitAt/SetBurstAt at now), keeping its level.
 //
@@ -181,9 +186,9 @@ type Result struct {
 //
 // Remaining and ResetAfter are read just after the take, so concurrent calls
 // on the same key may already show in them.
-func (s *Shares) AllowN(now time.Time, key string, r rate.Limit, burst int, n int) Result {
+func (s *Shares) AllowN(now time.Time, key string, r rate.Limit, burst int, capacity float64, n int) Result {
 	r, burst = clean(r, burst)
-	lim := s.get(now, key, r, burst)
+	lim := s.get(now, key, r, burst, capacity)
 
 	ok := true
 	if n > 0 {
@@ -243,9 +248,6 @@ func (s *Shares) Observe(at time.Time, redisTime int64, key string, tokens, rate
 	b := sh.entry(at, key)
 	if redisTime >= b.order || b.order-redisTime > 1e6 {
 		b.tokens, b.rate, b.size, b.seen, b.order = tokens, rate, burst, s.mono(at), redisTime
-		// An answer after the unanswered ones already counts whatever
-		// Redis made of them.
-		b.unanswered = 0
 	}
 	sh.mu.Unlock()
 }
@@ -263,23 +265,25 @@ func (s *Shares) Seen(key string) (tokens, rate float64, at time.Time, ok bool) 
 	return b.tokens, b.rate, s.time(b.seen), true
 }
 
-// Unanswered records that a decision of n tokens for key was sent to Redis
-// but its answer never came (a time-out), so that Redis may take the
-// tokens when it gets to it. Drain charges less by as much, until a newer
-// answer from Redis (Observe) makes the record moot.
-func (s *Shares) Unanswered(now time.Time, key string, n float64) {
+// Settle records that Redis was charged with spent tokens of key that
+// Drain reported.
+func (s *Shares) Settle(key string, spent float64) {
 	sh := s.shard(key)
 	sh.mu.Lock()
-	sh.entry(now, key).unanswered += n
+	if b := sh.m[key]; b != nil {
+		b.owed = max(b.owed-spent, 0)
+	}
 	sh.mu.Unlock()
 }
 
 // Drain reports, for every key that has a local bucket and for which match
 // (if not nil) is true, how many tokens this instance spent from it beyond
 // what it would hold untouched (its starting level refilled since, up to
-// burst), less what Unanswered recorded; and it drops the bucket, so that
-// the next local decision starts again from what Redis says. It is called
-// when Redis is back, to charge Redis for what was spent without it.
+// burst), plus what earlier Drains reported and Settle did not confirm;
+// and it drops the bucket, so that the next local decision starts again
+// from what Redis says, less what is reported and not confirmed. It is
+// called when Redis answers, to charge Redis for what was spent without
+// it; the caller calls Settle for each charge Redis took.
 //
 // match is called under a shard's lock: it must be quick and must not call
 // back into s. fn is called after each shard's lock is released.
@@ -293,10 +297,10 @@ func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key s
 		sh := &s.shards[i]
 		sh.mu.Lock()
 		for k, b := range sh.m {
-			if b.lim == nil && b.unanswered == 0 || match != nil && !match(k) {
+			if b.lim == nil && b.owed == 0 || match != nil && !match(k) {
 				continue
 			}
-			spent := -b.unanswered
+			spent := b.owed
 			if b.lim != nil {
 				untouched := math.Min(float64(b.burst), b.seed+float64(b.r)*now.Sub(s.time(b.seedAt)).Seconds())
 				spent += untouched - b.lim.TokensAt(now)
@@ -304,7 +308,7 @@ func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key s
 			if spent > 0 {
 				out = append(out, spend{k, spent})
 			}
-			b.lim, b.unanswered = nil, 0
+			b.lim, b.owed = nil, max(spent, 0)
 		}
 		sh.mu.Unlock()
 		for _, sp := range out {
@@ -456,7 +460,7 @@ func (s *Shares) shard(key string) *shard {
 
 // get returns key's limiter, creating it full if absent and changing its
 // rate and burst at now if they differ from r and burst.
-func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int) *rate.Limiter {
+func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int, capacity float64) *rate.Limiter {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -466,11 +470,13 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int) *rate.L
 		b = sh.entry(now, key)
 	}
 	if b.lim == nil {
-		// Start from what Redis last said, refilled since; full if it
-		// said nothing, or if that is too old to matter.
-		b.seed, b.seedAt = float64(burst), s.mono(now)
+		// Start from what Redis last said, refilled since; at capacity if
+		// it said nothing.
+		// Spending that Redis was not charged with yet (Owe) is taken off:
+		// Redis does not know of it.
+		b.seed, b.seedAt = clamp(capacity-b.owed, burst), s.mono(now)
 		if b.seen != 0 {
-			b.seed, b.seedAt = clamp(b.tokens/b.size*float64(burst), burst), b.seen
+			b.seed, b.seedAt = clamp(b.tokens/b.size*capacity-b.owed, burst), b.seen
 		}
 		b.lim, b.r, b.burst = newLimiter(s.time(b.seedAt), r, burst, b.seed), r, burst
 		return b.lim

@@ -31,7 +31,7 @@ type allow struct {
 func run(t *testing.T, s *Shares, steps []allow) {
 	t.Helper()
 	for i, st := range steps {
-		got := s.AllowN(t0.Add(st.at), st.key, st.r, st.burst, st.n)
+		got := s.AllowN(t0.Add(st.at), st.key, st.r, st.burst, float64(st.burst), st.n)
 		if got != st.want {
 			t.Errorf("step %d: AllowN(%q, %d) at t0+%v = %+v; want %+v", i, st.key, st.n, st.at, got, st.want)
 		}
@@ -262,7 +262,7 @@ func TestCap(t *testing.T) {
 		key := "key-" + strconv.Itoa(i)
 		// Each bucket is left non-full, so nothing can be swept: the cap
 		// holds by eviction alone.
-		if got := s.AllowN(t0, key, 1, 10, 1); !got.Allowed {
+		if got := s.AllowN(t0, key, 1, 10, 10.0, 1); !got.Allowed {
 			t.Fatalf("AllowN(%q, 1) = %+v; want allowed", key, got)
 		}
 		if i%1000 == 0 {
@@ -328,7 +328,7 @@ func TestConcurrentOneKey(t *testing.T) {
 		wg.Go(func() {
 			for range tries {
 				// One instant for all: no refill, so exactly burst fit.
-				if s.AllowN(t0, "hot", 10, burst, 1).Allowed {
+				if s.AllowN(t0, "hot", 10, burst, float64(burst), 1).Allowed {
 					allowed.Add(1)
 				}
 			}
@@ -349,10 +349,10 @@ func TestConcurrentManyKeys(t *testing.T) {
 			for i := range 2000 {
 				now := t0.Add(time.Duration(i) * ms)
 				key := strconv.Itoa((g*7 + i) % 300)
-				s.AllowN(now, key, 100, 10, 1)
+				s.AllowN(now, key, 100, 10, 10.0, 1)
 				if i%100 == 0 {
 					s.Observe(now, int64(i), key, 5, 100, 10)
-					s.Unanswered(now, key, 1)
+					s.Settle(key, 1)
 					s.Drain(now, nil, func(string, float64) {})
 					s.Sweep(now)
 				}
@@ -367,11 +367,11 @@ func TestConcurrentManyKeys(t *testing.T) {
 
 func TestAllowNAllocs(t *testing.T) {
 	s := New(0)
-	s.AllowN(t0, "k", 1000, 10, 1)
+	s.AllowN(t0, "k", 1000, 10, 10.0, 1)
 	now := t0
 	allocs := testing.AllocsPerRun(1000, func() {
 		now = now.Add(ms)
-		s.AllowN(now, "k", 1000, 10, 1)
+		s.AllowN(now, "k", 1000, 10, 10.0, 1)
 	})
 	if allocs != 0 {
 		t.Errorf("AllowN on an existing key: %v allocs; want 0", allocs)
@@ -380,7 +380,7 @@ func TestAllowNAllocs(t *testing.T) {
 	lim := rate.Limit(1000)
 	allocs = testing.AllocsPerRun(1000, func() {
 		lim++
-		s.AllowN(now, "k", lim, 10, 1)
+		s.AllowN(now, "k", lim, 10, 10.0, 1)
 	})
 	if allocs != 0 {
 		t.Errorf("AllowN with a new limit: %v allocs; want 0", allocs)
@@ -405,7 +405,7 @@ func TestMemoryPerKey(t *testing.T) {
 	buf := make([]byte, 0, 32)
 	for i := range keys {
 		buf = strconv.AppendInt(append(buf[:0], "key-"...), int64(i), 10)
-		s.AllowN(t0, string(buf), 100, 100, 1)
+		s.AllowN(t0, string(buf), 100, 100, 100.0, 1)
 	}
 	// Each shard holds at most keys/64 buckets, and the hash does not
 	// split the keys evenly, so shards that got more keys evicted some.
@@ -433,16 +433,16 @@ func BenchmarkAllowN(b *testing.B) {
 	run := func(b *testing.B, key func(i int) string) {
 		s := New(0)
 		for _, k := range keys {
-			s.AllowN(t0, k, 1e6, 1000, 1)
+			s.AllowN(t0, k, 1e6, 1000, 1000.0, 1)
 		}
-		s.AllowN(t0, "hot", 1e6, 1000, 1)
+		s.AllowN(t0, "hot", 1e6, 1000, 1000.0, 1)
 		b.ReportAllocs()
 		b.ResetTimer()
 		b.RunParallel(func(pb *testing.PB) {
 			now := t0
 			for i := 0; pb.Next(); i++ {
 				now = now.Add(time.Microsecond)
-				s.AllowN(now, key(i), 1e6, 1000, 1)
+				s.AllowN(now, key(i), 1e6, 1000, 1000.0, 1)
 			}
 		})
 	}
@@ -463,7 +463,7 @@ func BenchmarkAllowNNewKeys(b *testing.B) {
 			s := New(maxKeys)
 			var next atomic.Int64
 			for range maxKeys {
-				s.AllowN(t0, "fill-"+strconv.FormatInt(next.Add(1), 10), 1, 10, 1)
+				s.AllowN(t0, "fill-"+strconv.FormatInt(next.Add(1), 10), 1, 10, 10.0, 1)
 			}
 			b.ReportAllocs()
 			b.ResetTimer()
@@ -471,7 +471,7 @@ func BenchmarkAllowNNewKeys(b *testing.B) {
 				buf := make([]byte, 0, 32)
 				for pb.Next() {
 					buf = strconv.AppendInt(append(buf[:0], "new-"...), next.Add(1), 10)
-					s.AllowN(t0, string(buf), 1, 10, 1)
+					s.AllowN(t0, string(buf), 1, 10, 10.0, 1)
 				}
 			})
 		})
@@ -501,53 +501,64 @@ func TestObserveSeeds(t *testing.T) {
 	}
 	r := rate.Limit(100.0 / 3)
 	// 300 ms later it holds 6.6 + 10 = 16.6 tokens.
-	got := s.AllowN(t0.Add(300*ms), "k", r, 33, 16)
+	got := s.AllowN(t0.Add(300*ms), "k", r, 33, 33.0, 16)
 	if !got.Allowed || got.Remaining != 0 {
 		t.Errorf("AllowN(16) after the hand-off = %+v; want allowed, 0 left", got)
 	}
-	if got := s.AllowN(t0.Add(300*ms), "k", r, 33, 1); got.Allowed {
+	if got := s.AllowN(t0.Add(300*ms), "k", r, 33, 33.0, 1); got.Allowed {
 		t.Errorf("AllowN(1) = %+v; want denied: the bucket did not start full", got)
 	}
 }
 
-// TestDrain: Drain reports what was spent beyond the untouched level, less
-// what went unanswered, drops the local bucket, and leaves other keys alone.
+// TestDrain: Drain reports what was spent beyond the untouched level, drops
+// the local bucket, leaves other keys alone, and reports again what Settle
+// did not confirm, which a new local bucket does not hand out again.
 func TestDrain(t *testing.T) {
 	s := New(100)
 	r := rate.Limit(10)
 	s.Observe(t0, 1, "a", 5, 10, 10) // 5 of 10 tokens
-	s.AllowN(t0, "a", r, 10, 4)
-	s.AllowN(t0, "b", r, 10, 10)     // starts full: spends 10, 2 refilled by at
-	s.Unanswered(t0, "b", 3)         // and Redis may have taken 3 more
-	s.AllowN(t0, "c", r, 10, 2)      // not matched
-	s.Observe(t0, 1, "d", 5, 10, 10) // observed only: nothing to charge
-	at := t0.Add(200 * ms)           // 2 tokens refilled since t0
-	got := map[string]float64{}
-	s.Drain(at, func(key string) bool { return key != "c" }, func(key string, spent float64) {
-		got[key] = spent
-	})
-	// a: untouched 5+2, holds 1+2. b: untouched 10 (full), holds 2, less 3.
-	want := map[string]float64{"a": 4, "b": 5}
-	if len(got) != len(want) || math.Abs(got["a"]-4) > 1e-9 || math.Abs(got["b"]-5) > 1e-9 {
-		t.Errorf("Drain = %v; want %v", got, want)
+	s.AllowN(t0, "a", r, 10, 10.0, 4)
+	s.AllowN(t0, "b", r, 10, 10.0, 10) // starts full: spends 10, 2 refilled by at
+	s.AllowN(t0, "c", r, 10, 10.0, 2)  // not matched
+	s.Observe(t0, 1, "d", 5, 10, 10)   // observed only: nothing to charge
+	at := t0.Add(200 * ms)             // 2 tokens refilled since t0
+	drain := func(at time.Time, match func(string) bool) map[string]float64 {
+		got := map[string]float64{}
+		s.Drain(at, match, func(key string, spent float64) { got[key] = spent })
+		return got
 	}
+	// a: untouched 5+2, holds 1+2. b: untouched 10 (full), holds 2.
+	got := drain(at, func(key string) bool { return key != "c" })
+	if len(got) != 2 || math.Abs(got["a"]-4) > 1e-9 || math.Abs(got["b"]-8) > 1e-9 {
+		t.Errorf("Drain = %v; want map[a:4 b:8]", got)
+	}
+	s.Settle("a", 4) // Redis took a's charge; b's failed
 	// The drained bucket is gone: the next local decision starts again
 	// from the observation (5 tokens at t0, full 500 ms later).
-	if res := s.AllowN(t0.Add(time.Second), "a", r, 10, 10); !res.Allowed {
+	if res := s.AllowN(t0.Add(time.Second), "a", r, 10, 10.0, 10); !res.Allowed {
 		t.Errorf("AllowN(10) after Drain = %+v; want a fresh bucket seeded from Redis", res)
 	}
-	// At t0+1s, a spent all 10 of a bucket that would be full; c, left
-	// alone by the first Drain, has refilled what it spent.
-	got = map[string]float64{}
-	s.Drain(t0.Add(time.Second), nil, func(key string, spent float64) { got[key] = spent })
-	if len(got) != 1 || math.Abs(got["a"]-10) > 1e-9 {
-		t.Errorf("second Drain = %v; want map[a:10]", got)
+	// b's 8 are not confirmed: its new bucket starts with 10 - 8.
+	if res := s.AllowN(at, "b", r, 10, 10.0, 3); res.Allowed || res.Remaining != 2 {
+		t.Errorf("AllowN(3) on b after an unsettled Drain = %+v; want denied, 2 left", res)
+	}
+	// At t0+1s, a spent all 10 of a bucket that would be full; b reports
+	// its 8 again, and nothing more (its new bucket is full again); c,
+	// left alone by the first Drain, has refilled what it spent.
+	got = drain(t0.Add(time.Second), nil)
+	if len(got) != 2 || math.Abs(got["a"]-10) > 1e-9 || math.Abs(got["b"]-8) > 1e-9 {
+		t.Errorf("second Drain = %v; want map[a:10 b:8]", got)
+	}
+	s.Settle("a", 10)
+	s.Settle("b", 8)
+	if got := drain(t0.Add(time.Second), nil); len(got) != 0 {
+		t.Errorf("Drain after Settle = %v; want nothing", got)
 	}
 }
 
 func TestRefund(t *testing.T) {
 	s := New(100)
-	s.AllowN(t0, "k", 1, 5, 5)
+	s.AllowN(t0, "k", 1, 5, 5.0, 5)
 	s.Refund(t0, "k", 2)
 	s.Refund(t0, "absent", 2)
 	run(t, s, []allow{
@@ -559,17 +570,24 @@ func TestRefund(t *testing.T) {
 	}
 }
 
-// TestObserveClearsUnanswered: a newer answer from Redis already counts
-// whatever it made of the decisions that went unanswered before it.
-func TestObserveClearsUnanswered(t *testing.T) {
+// TestFractionalCapacity: a share of less than one token starts with that
+// fraction, so a fleet of such shares cannot each grant a token at once.
+func TestFractionalCapacity(t *testing.T) {
 	s := New(100)
-	s.AllowN(t0, "k", 10, 10, 4) // spends 4 of a full bucket
-	s.Unanswered(t0, "k", 3)
-	s.Observe(t0, 5, "k", 10, 10, 10)
-	got := map[string]float64{}
-	s.Drain(t0, nil, func(key string, spent float64) { got[key] = spent })
-	if math.Abs(got["k"]-4) > 1e-9 {
-		t.Errorf("Drain after a newer answer = %v; want k: 4, the unanswered 3 dropped", got)
+	r := rate.Limit(0.1) // one token in 10 s
+	if got := s.AllowN(t0, "k", r, 1, 0.25, 1); got.Allowed {
+		t.Errorf("AllowN(1) on a share of 0.25 token = %+v; want denied", got)
+	}
+	if got := s.AllowN(t0.Add(7499*ms), "k", r, 1, 0.25, 1); got.Allowed {
+		t.Errorf("AllowN(1) 7.499 s later = %+v; want denied", got)
+	}
+	if got := s.AllowN(t0.Add(7500*ms), "k", r, 1, 0.25, 1); !got.Allowed {
+		t.Errorf("AllowN(1) 7.5 s later = %+v; want allowed", got)
+	}
+	// Seeded from Redis: half full there, an eighth of a token here.
+	s.Observe(t0, 1, "o", 5, 1, 10)
+	if got := s.AllowN(t0.Add(8749*ms), "o", r, 1, 0.25, 1); got.Allowed {
+		t.Errorf("AllowN(1) on a seeded share 8.749 s later = %+v; want denied", got)
 	}
 }
 

@@ -8,7 +8,7 @@
 -- ARGV[4]  cost: units to take; a negative cost gives units back (a
 --          refund), up to cap
 -- ARGV[5]  optional mode:
---          "charge": take cost without refusing, never below zero. When
+--          "charge": take cost without refusing, down to -cap at most. When
 --          Redis comes back after an outage, each instance charges the
 --          bucket, which refilled in Redis time all along, with what it
 --          spent on its local share meanwhile; a charge of 0 is the
@@ -38,14 +38,31 @@
 -- allocation whatever the limit. A Redis without struct (miniredis, which
 -- runs the tests and the demo) gets the same bytes from plain Lua.
 --
+-- The stored pair (level, time) means: level units at Redis time `time`, and
+-- no refill before it. The level the bucket holds now is therefore
+--   level + (now - time) * q, at most cap,  when time <= now;
+--   level,                                 when time > now and level > 0
+--     (Redis's clock went back, as after a failover to a host whose clock
+--     is behind: nothing refills until it catches up, and the later time
+--     is kept, so that the interval is never refilled twice);
+--   -(time - now) * q,                     when time > now and level is 0:
+--     a debt. A charge for tokens spent without Redis may take the bucket
+--     below zero, down to -cap, so that no spending is lost when several
+--     instances charge one after another; the debt is stored as an empty
+--     bucket whose refill starts later, and decisions are refused until it
+--     is paid.
+--
 -- A denial writes nothing: the stored state already implies the refilled
--- level, so the TTL set by the last write stays right. A value that is not
--- ours (another type, or a string of another shape) is replaced by a full
--- bucket and reported.
+-- level. It only sets the TTL again, since a changed limit (a larger burst,
+-- a slower rate at the same p) can need a longer one than the last write
+-- set, and a key that expired early would come back full. A value that is
+-- not ours (another type, or a string of another shape) is replaced by a
+-- full bucket and reported.
 --
 -- Returns {flags, level, now_us}: flags is 1 if allowed, plus 2 if the
--- value was repaired; level is what the bucket holds after the call. In
--- lease mode a fourth value is the units leased beyond cost.
+-- value was repaired; level is what the bucket holds after the call,
+-- negative while it is in debt. In lease mode a fourth value is the units
+-- leased beyond cost.
 
 local key = KEYS[1]
 local q = tonumber(ARGV[1])
@@ -87,6 +104,7 @@ if not codec then
 end
 
 local level = cap
+local last = now -- the time stored with the level
 local flags = 0
 local write = false
 local raw = redis.pcall('GET', key)
@@ -104,13 +122,20 @@ if raw then
       level = math.floor(level * p / lp)
       write = true
     end
-    -- A clock that went back (failover to a replica) refills nothing. A
-    -- sum past 2^53 is rounded, but stays above cap, which it is cut to.
-    if now > s then
+    if now >= s then
+      -- A sum past 2^53 is rounded, but stays above cap, which it is cut
+      -- to.
       level = level + (now - s) * q
+    else
+      last = s
+      if level == 0 then
+        level = -(s - now) * q
+      end
     end
     if level > cap then
       level = cap
+    elseif level < -cap then
+      level = -cap
     end
   else
     flags = 2
@@ -126,11 +151,12 @@ local leased = 0
 if mode == 'charge' then
   flags = flags + 1
   level = level - cost
-  if level < 0 then
-    level = 0
+  if level < -cap then
+    level = -cap
   end
   write = true
-elseif cost <= level then
+elseif cost < 0 or cost <= level then
+  -- A refund (a negative cost) is always taken, in debt too.
   flags = flags + 1
   level = level - cost
   if level > cap then
@@ -142,10 +168,17 @@ elseif cost <= level then
   end
   write = true
 end
+-- Expire one second after the bucket would be full again.
+local ttl = math.ceil((cap - level) / q / 1000) + 1000
 if write then
-  -- Expire one second after the bucket would be full again.
-  redis.call('SET', key, codec.pack('>BI7I7I7', 1, level, now, p),
-    'PX', math.ceil((cap - level) / q / 1000) + 1000)
+  local stored = level
+  if level < 0 then
+    stored = 0
+    last = now + math.ceil(-level / q)
+  end
+  redis.call('SET', key, codec.pack('>BI7I7I7', 1, stored, last, p), 'PX', ttl)
+elseif raw then
+  redis.call('PEXPIRE', key, ttl)
 end
 if mode == 'lease' then
   return {flags, level, now, leased}

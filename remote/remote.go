@@ -169,37 +169,64 @@ func boundsReads(c redis.UniversalClient) bool {
 	return false
 }
 
-// Take runs the script for key: it takes n tokens if the bucket holds them
-// (n > lim.Burst never can: RetryAfter is -1); a negative n gives -n tokens
-// back, up to lim.Burst.
-// It returns when Redis answers or ctx ends, whichever is first; after ctx
-// ends the decision may still reach Redis and take tokens there, unless it
-// was still queued, in which case it is dropped unsent.
-//
-// Take never retries: neither here nor, whatever its options, in go-redis,
-// because a decision that reached Redis must not be charged twice. The one
-// exception is NOSCRIPT, which proves the script did not run: the decision
-// is sent again once with the script's source.
-func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result, error) {
-	return p.do(newCall(ctx, key, lim, lim.Units(n), modeTake))
+// Request is one run of the token-bucket script on Key's bucket.
+type Request struct {
+	Key   string
+	Limit Limit
+	// Units is what to take, in units of 1/Limit.P token (Limit.Units
+	// converts tokens); a negative Units gives -Units back, up to the
+	// capacity.
+	Units int64
+	// Charge takes Units without refusing, down to a debt of one burst:
+	// the charge for tokens spent without Redis (the script's charge mode).
+	// The Result then has Allowed true and the Level left.
+	Charge bool
+	// Lease, above zero, also takes up to Lease more whole tokens if Units
+	// are taken, as many as the bucket holds, for the caller to spend
+	// without asking Redis again; Result.Leased says how many.
+	Lease int64
 }
 
-// Lease is Take, and if the n tokens are taken, also takes up to extra
-// more whole tokens, as many as the bucket holds, for the caller to spend
-// without asking Redis again; Result.Leased says how many.
-func (p *Pipe) Lease(ctx context.Context, key string, lim Limit, n, extra int64) (Result, error) {
-	c := newCall(ctx, key, lim, lim.Units(n), modeLease)
-	c.extra = lim.Units(max(extra, 0))
+// Do runs the script for r. It returns when Redis answers or ctx ends,
+// whichever is first; after ctx ends the call may still reach Redis and
+// take tokens there (the error then wraps ErrUnanswered), unless it was
+// still queued, in which case it is dropped unsent.
+//
+// Do never retries: neither here nor, whatever its options, in go-redis,
+// because a decision that reached Redis must not be charged twice. The one
+// exception is NOSCRIPT, which proves the script did not run: the call is
+// sent again once with the script's source.
+func (p *Pipe) Do(ctx context.Context, r Request) (Result, error) {
+	m := modeTake
+	switch {
+	case r.Charge:
+		m = modeCharge
+	case r.Lease > 0:
+		m = modeLease
+	}
+	c := newCall(ctx, r.Key, r.Limit, r.Units, m)
+	if m == modeLease {
+		c.extra = r.Limit.Units(r.Lease)
+	}
 	return p.do(c)
 }
 
-// Charge takes units (of 1/lim.P token) from key's bucket, after refilling
-// it, but never below zero and never refusing: it charges the bucket with
-// tokens spent without Redis (the script's charge mode). The Result has
-// Allowed true and the Level left. Like Take, it is sent once and never
-// retried.
+// Take is Do of n tokens: it takes n tokens if the bucket holds them
+// (n > lim.Burst never can: RetryAfter is -1); a negative n gives -n tokens
+// back, up to lim.Burst.
+func (p *Pipe) Take(ctx context.Context, key string, lim Limit, n int64) (Result, error) {
+	return p.Do(ctx, Request{Key: key, Limit: lim, Units: lim.Units(n)})
+}
+
+// Lease is Take, and if the n tokens are taken, also takes up to extra
+// more whole tokens (Request.Lease).
+func (p *Pipe) Lease(ctx context.Context, key string, lim Limit, n, extra int64) (Result, error) {
+	return p.Do(ctx, Request{Key: key, Limit: lim, Units: lim.Units(n), Lease: max(extra, 0)})
+}
+
+// Charge is Do in charge mode (Request.Charge) of units.
 func (p *Pipe) Charge(ctx context.Context, key string, lim Limit, units int64) (Result, error) {
-	return p.do(newCall(ctx, key, lim, units, modeCharge))
+	return p.Do(ctx, Request{Key: key, Limit: lim, Units: units, Charge: true})
 }
 
 // Spend is tokens spent without Redis, for ChargeAll to charge.

@@ -299,22 +299,71 @@ func TestCharge(t *testing.T) {
 	lim := mustLimit(t, 10, 10)
 	ctx := context.Background()
 	for _, tc := range []struct {
-		at        time.Duration
-		tokens    int64
-		remaining int64
+		at     time.Duration
+		tokens int64
+		level  int64 // units (1/P token) after the charge
 	}{
-		{0, 3, 7},                      // a fresh bucket is full
-		{0, 20, 0},                     // never below zero, never refused
-		{250 * time.Millisecond, 1, 1}, // refilled 2.5, charged 1
+		{0, 3, 700000},                       // a fresh bucket is full
+		{0, 20, -1000000},                    // never refused; in debt down to one burst
+		{250 * time.Millisecond, 1, -850000}, // refilled 2.5, charged 1
 	} {
 		m.SetTime(t0.Add(tc.at))
 		res, err := p.Charge(ctx, "k", lim, tc.tokens*lim.P)
-		if err != nil || !res.Allowed || res.Level/lim.P != tc.remaining {
-			t.Errorf("Charge(%d) at %v = %+v, %v; want %d left", tc.tokens, tc.at, res, err, tc.remaining)
+		if err != nil || !res.Allowed || res.Level != tc.level {
+			t.Errorf("Charge(%d) at %v = %+v, %v; want level %d", tc.tokens, tc.at, res, err, tc.level)
 		}
 	}
-	// The charged level is what the next decision sees.
-	run(t, m, p, "k", lim, []step{{250 * time.Millisecond, 2, false, 1, 50 * time.Millisecond}})
+	// The debt is what the next decisions see, and the refill pays it:
+	// 8.5 tokens owed, so one token is there 950 ms later.
+	run(t, m, p, "k", lim, []step{
+		{250 * time.Millisecond, 2, false, -8, 1050 * time.Millisecond},
+		{1199 * time.Millisecond, 1, false, 0, time.Millisecond},
+		{1200 * time.Millisecond, 1, true, 0, 0},
+	})
+	// A refund is taken in debt too.
+	if _, err := p.Charge(ctx, "k", lim, 5*lim.P); err != nil {
+		t.Fatal(err)
+	}
+	run(t, m, p, "k", lim, []step{{1200 * time.Millisecond, -2, true, -3, 0}})
+}
+
+// TestClockBack: a Redis clock that goes back (a failover to a host whose
+// clock is behind) refills nothing until it catches up, and the interval is
+// never refilled twice.
+func TestClockBack(t *testing.T) {
+	m, p := newMini(t)
+	lim := mustLimit(t, 10, 10)
+	run(t, m, p, "k", lim, []step{
+		{time.Second, 10, true, 0, 0},
+		{500 * time.Millisecond, 1, false, -5, 600 * time.Millisecond}, // back 500 ms: empty until 1 s, seen as a debt
+		{1100 * time.Millisecond, 1, true, 0, 0},                       // 100 ms past 1 s: one token
+		{1100 * time.Millisecond, 1, false, 0, 100 * time.Millisecond},
+	})
+	// With tokens in the bucket: taking one at the earlier time keeps the
+	// later one, so the interval is refilled once, not twice.
+	m2, p2 := newMini(t)
+	run(t, m2, p2, "k", lim, []step{
+		{time.Second, 5, true, 5, 0},
+		{500 * time.Millisecond, 1, true, 4, 0},
+		{1500 * time.Millisecond, 10, false, 9, 100 * time.Millisecond}, // 4 + 5 refilled since 1 s
+	})
+}
+
+// TestScriptTTLFollowsLimit: a denial under a limit that needs a longer TTL
+// than the last write set (a larger burst at the same rate) sets it, so the
+// key does not expire, and come back full, while denials rely on it.
+func TestScriptTTLFollowsLimit(t *testing.T) {
+	m, p := newMini(t)
+	small := mustLimit(t, 1, 10)
+	large := mustLimit(t, 1, 100)
+	if small.P != large.P {
+		t.Fatalf("P differs (%d, %d): the case needs the same P", small.P, large.P)
+	}
+	run(t, m, p, "k", small, []step{{0, 10, true, 0, 0}})
+	run(t, m, p, "k", large, []step{{0, 50, false, 0, 50 * time.Second}})
+	if got, want := m.TTL("k"), 101*time.Second; got != want {
+		t.Errorf("TTL after a denial under the larger burst = %v; want %v", got, want)
+	}
 }
 
 func TestFleet(t *testing.T) {

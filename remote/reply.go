@@ -16,7 +16,10 @@ type Result struct {
 	Allowed bool
 	// Level is what the bucket holds after the decision, in units of 1/P
 	// token. With PerSecond(10) (P=100000), a bucket left with 2.5 tokens
-	// has Level 250000; Remaining whole tokens are Level/P = 2.
+	// has Level 250000; Remaining whole tokens are Level/P = 2. It is
+	// negative, down to -Cap, while charges for spending made without Redis
+	// keep the bucket in debt: -150000 is a debt of 1.5 tokens, paid by the
+	// refill in 150 ms.
 	Level int64
 	// RetryAfter is, when denied, how long until the bucket holds n tokens;
 	// negative if it never can (n > Burst). Zero when allowed.
@@ -60,7 +63,8 @@ func parseReply(v any, lim Limit, cost int64, m mode) (Result, error) {
 	}
 	capacity := lim.Cap()
 	allowed := flags&1 == 1
-	if flags < 0 || flags > 3 || level < 0 || level > capacity || !allowed && (m == modeCharge || cost <= level) ||
+	if flags < 0 || flags > 3 || level < -capacity || level > capacity || !allowed && (m == modeCharge || cost < 0 || cost <= level) ||
+		allowed && m != modeCharge && cost >= 0 && level < 0 ||
 		leased < 0 || leased%lim.P != 0 || leased > capacity || !allowed && leased != 0 {
 		return Result{}, fmt.Errorf("%w: %v", ErrReply, vals)
 	}

@@ -1,4 +1,4 @@
-package breaker
+package remote
 
 import (
 	"context"
@@ -6,11 +6,6 @@ import (
 
 	"github.com/redis/go-redis/v9"
 )
-
-// ErrCallerCanceled marks an error as the caller's own cancellation: the
-// limiter wraps a call's error with it when the caller's context ended.
-// Such results are excluded: they count as neither success nor failure.
-var ErrCallerCanceled = errors.New("breaker: caller canceled")
 
 // IsFailure reports whether err means that the Redis node is unhealthy.
 //
@@ -29,9 +24,9 @@ var ErrCallerCanceled = errors.New("breaker: caller canceled")
 // any other client-side error, such as an unparsable reply, since it too
 // means the remote path does not work.
 //
-// Errors for which IsExcluded reports true are never failures.
+// context.Canceled is never a failure: only a caller cancels.
 func IsFailure(err error) bool {
-	if err == nil || IsExcluded(err) {
+	if err == nil || errors.Is(err, context.Canceled) {
 		return false
 	}
 	var rerr redis.Error
@@ -58,10 +53,4 @@ func IsFailure(err error) bool {
 		// BUSYGROUP out; they are answers, not states.
 		redis.HasErrorPrefix(rerr, "BUSY ") ||
 		redis.HasErrorPrefix(rerr, "MISCONF ")
-}
-
-// IsExcluded reports whether err is the caller's own cancellation: it is
-// marked with ErrCallerCanceled, or it is context.Canceled.
-func IsExcluded(err error) bool {
-	return errors.Is(err, ErrCallerCanceled) || errors.Is(err, context.Canceled)
 }

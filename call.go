@@ -1,0 +1,153 @@
+package hybridlimit
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/hybridlimit/hybridlimit/breaker"
+	"github.com/hybridlimit/hybridlimit/remote"
+)
+
+// outcome is what became of one remote call.
+type outcome uint8
+
+const (
+	// answered: Redis ran the script; the Result is its answer.
+	answered outcome = iota
+	// unanswered: the call was sent but not answered within its budget;
+	// Redis may still run it.
+	unanswered
+	// down: the node could not decide: its breaker is not closed, it
+	// failed, or it answered that it cannot (LOADING, READONLY, OOM, ...).
+	down
+	// badValue: Redis answered, but not with a decision (a script error, a
+	// reply of the wrong shape): the node is healthy, the key is not.
+	badValue
+	// callerGone: the caller's context was cancelled, or Close began,
+	// before an answer came: there is nothing to decide.
+	callerGone
+)
+
+// pass says in which breaker state a call may go to its node.
+type pass uint8
+
+const (
+	// whenClosed: decisions, refunds and charges go only while the
+	// breaker is closed; otherwise the call is down at once, without
+	// touching the network or taking a half-open ticket.
+	whenClosed pass = iota
+	// charging: background charges, only while the breaker is closed but
+	// without a ticket: the breaker counts consecutive failed decisions,
+	// and a charge sent beside them says nothing they do not.
+	charging
+	// underProbe: charges sent while a probe holds the node's half-open
+	// ticket, before it reports the success that closes the breaker: no
+	// gate, no ticket of their own; the probe judges the node.
+	underProbe
+)
+
+// call sends req to nd: the one path of every remote call of a decision, a
+// refund or a charge (probes take their ticket themselves, then send). It
+// owns the breaker's gate and ticket, the time budget and the
+// classification of what came back; the pipe below it owns NOSCRIPT and
+// the wire.
+//
+// The budget is Config.Timeout, or nine tenths of what is left of ctx's
+// deadline if that is less, so that a caller with a short deadline still
+// gets the failure policy's decision within it. A call that was sent and
+// not answered within its budget counts against the breaker whoever's
+// deadline it was: a hung Redis must open the breaker for callers with
+// short deadlines too. Only a budget too short to say anything of Redis
+// (under minJudged) keeps it out. A cancelled caller is never Redis's
+// fault.
+func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Request) (remote.Result, outcome) {
+	if p == underProbe {
+		res, o, _ := lim.send(ctx, nd, req)
+		return res, o
+	}
+	if nd.cb.State() != breaker.StateClosed {
+		return remote.Result{}, down
+	}
+	if p == charging {
+		res, o, _ := lim.send(ctx, nd, req)
+		return res, o
+	}
+	ticket, ok := nd.cb.Allow()
+	if !ok {
+		return remote.Result{}, down
+	}
+	res, o, verdict := lim.send(ctx, nd, req)
+	ticket.Done(verdict)
+	return res, o
+}
+
+// send sends req to nd within the budget and classifies what came back;
+// the caller holds nd's ticket, or sends under a probe's.
+func (lim *Limiter) send(ctx context.Context, nd *node, req remote.Request) (remote.Result, outcome, breaker.Outcome) {
+	budget := lim.cfg.Timeout
+	if dl, ok := ctx.Deadline(); ok {
+		budget = min(budget, time.Until(dl)*9/10)
+	}
+	if budget <= 0 {
+		return remote.Result{}, callerGone, breaker.Excluded
+	}
+	rctx, cancel := context.WithTimeout(ctx, budget)
+	defer cancel()
+	res, err := nd.pipe.Do(rctx, req)
+	o, verdict := lim.classify(ctx, err, budget)
+	if verdict == breaker.Failure {
+		// The prober probes the node on the last key that failed there.
+		nd.probe.Store(&probe{key: req.Key, rl: req.Limit})
+	}
+	if o == badValue {
+		lim.cfg.Logger.Error("hybridlimit: remote call failed", "key", req.Key, "err", err)
+	}
+	return res, o, verdict
+}
+
+// classify turns a call's error into its outcome and what it says of the
+// node.
+func (lim *Limiter) classify(ctx context.Context, err error, budget time.Duration) (outcome, breaker.Outcome) {
+	judged := breaker.Failure
+	if budget < lim.minJudged() {
+		judged = breaker.Excluded
+	}
+	switch {
+	case err == nil:
+		return answered, breaker.Success
+	case errors.Is(err, remote.ErrClosed), errors.Is(ctx.Err(), context.Canceled):
+		return callerGone, breaker.Excluded
+	case ended(ctx):
+		// The caller's own deadline passed too: it gets its error. If the
+		// call was sent, Redis still did not answer within the budget.
+		if errors.Is(err, remote.ErrUnanswered) {
+			return callerGone, judged
+		}
+		return callerGone, breaker.Excluded
+	case errors.Is(err, remote.ErrUnanswered):
+		return unanswered, judged
+	case errors.Is(err, context.DeadlineExceeded):
+		// Not even sent within the budget: the node's pipe is stuck on
+		// calls it does not answer.
+		return down, judged
+	case errors.Is(err, remote.ErrReply) || !remote.IsFailure(err):
+		return badValue, breaker.Success
+	}
+	return down, breaker.Failure
+}
+
+// ended reports whether ctx is done or its deadline has passed: a
+// context's Err lags its deadline by a timer's firing.
+func ended(ctx context.Context) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	dl, ok := ctx.Deadline()
+	return ok && !time.Now().Before(dl)
+}
+
+// minJudged is the shortest budget whose time-out says something of Redis:
+// a healthy Redis answers in a millisecond or two, so a call that had less
+// than a tenth of Timeout proves nothing when it is not answered.
+func (lim *Limiter) minJudged() time.Duration { return lim.cfg.Timeout / 10 }

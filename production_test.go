@@ -1,0 +1,263 @@
+package hybridlimit
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/hybridlimit/hybridlimit/internal/faultproxy"
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
+)
+
+// The conditions of this file are those every production deployment meets
+// and a hand-written outage does not: callers with deadlines shorter than
+// Timeout, several probes, workers that wait, idle instances, keys whose
+// bucket is deleted, pods started during an outage.
+
+// refused returns a client of a port nothing listens on: every call fails
+// at once.
+func refused(t *testing.T) *redis.Client {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// TestShortDeadlinesOpenTheBreaker: callers whose deadline (30 ms) is
+// shorter than Timeout (50 ms), against a Redis that does not answer, still
+// open the breaker after Breaker.Failures calls and get the failure
+// policy's decision, with a nil error, within their deadline.
+func TestShortDeadlinesOpenTheBreaker(t *testing.T) {
+	srv := redistest.Start(t)
+	lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(1000), Instances: 1, Heartbeat: -1})
+	if d, err := lim.Allow(context.Background(), "k"); err != nil || d.Mode != ModeRemote {
+		t.Fatalf("Allow before the pause = %+v, %v; want remote", d, err)
+	}
+	srv.Pause(t)
+	defer srv.Resume(t)
+	const deadline = 30 * time.Millisecond
+	local := 0
+	for i := range 40 {
+		ctx, cancel := context.WithTimeout(context.Background(), deadline)
+		start := time.Now()
+		d, err := lim.Allow(ctx, "k")
+		took := time.Since(start)
+		cancel()
+		if err != nil {
+			t.Errorf("call %d: Allow = %v; want the failure policy's decision", i, err)
+		}
+		if took > deadline+latencyMargin {
+			t.Errorf("call %d took %v; want within its deadline %v (+%v)", i, took, deadline, latencyMargin)
+		}
+		if d.Mode == ModeLocal {
+			local++
+		}
+	}
+	if local != 40 {
+		t.Errorf("%d of 40 decisions local; want 40", local)
+	}
+	if st := lim.Stats().Breakers; st[srv.Addr()] != "open" {
+		t.Errorf("breakers %v; want %s open", st, srv.Addr())
+	}
+}
+
+// TestWaitNBeyondTheShare: during an outage, n larger than the local
+// share's burst gets a finite RetryAfter (until the next probe), and WaitN
+// sleeps on it rather than spinning, and says at once when its deadline
+// cannot be met.
+func TestWaitNBeyondTheShare(t *testing.T) {
+	obs := &countingObserver{}
+	lim := newLimiter(t, Config{Redis: refused(t), Limit: PerSecond(10), Instances: 3, Observer: obs})
+	ctx := context.Background()
+	d, err := lim.AllowN(ctx, "k", 5) // the share holds 3
+	if err != nil || d.Allowed || d.RetryAfter <= 0 || d.RetryAfter > time.Second {
+		t.Fatalf("AllowN(5) on a share of 3 = %+v, %v; want denied with a RetryAfter in (0, 1s]", d, err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	err = lim.WaitN(wctx, "k", 5)
+	if took := time.Since(start); err == nil || took > 300*time.Millisecond+latencyMargin {
+		t.Errorf("WaitN(5) = %v after %v; want an error within its 300 ms deadline", err, took)
+	}
+	if n := obs.decisions.Load(); n > 20 {
+		t.Errorf("WaitN made %d decisions in 300 ms; want a few (it must sleep, not spin)", n)
+	}
+}
+
+// TestProbesCloseTheBreaker: with Breaker.Probes 3, the prober sends all
+// three, and the breaker closes soon after Redis is back.
+func TestProbesCloseTheBreaker(t *testing.T) {
+	m, c := miniClient(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(100), Instances: 1, Heartbeat: -1,
+		Breaker: BreakerConfig{Failures: 2, OpenFor: 50 * time.Millisecond, Jitter: -1, Probes: 3}})
+	ctx := context.Background()
+	m.SetError("LOADING Redis is loading the dataset in memory")
+	for range 2 {
+		lim.Allow(ctx, "k")
+	}
+	if st := lim.Stats().Breakers; st[m.Addr()] != "open" {
+		t.Fatalf("breakers %v after 2 failures; want open", st)
+	}
+	m.SetError("")
+	healed := time.Now()
+	for {
+		d, err := lim.Allow(ctx, "k")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Mode == ModeRemote {
+			break
+		}
+		if time.Since(healed) > time.Second {
+			t.Fatalf("still %v a second after Redis was back, breakers %v; want remote within 50 ms + 3 probes", d.Mode, lim.Stats().Breakers)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Logf("back to Redis %v after it healed", time.Since(healed).Round(time.Millisecond))
+}
+
+// TestCachedDenialsEveryLimit: denials are answered without a round trip
+// for every limit, also those whose rate the fixed point holds one rounding
+// step away from the user's float (PerMinute(5), a rate of 1/3), and they
+// say so.
+func TestCachedDenialsEveryLimit(t *testing.T) {
+	m, c := miniClient(t)
+	clock := newFakeClock(m) // time stands still: every denial is due
+	ctx := context.Background()
+	limits := []Limit{{Rate: 1.0 / 3, Burst: 3}}
+	for n := int64(1); n <= 1000; n++ {
+		limits = append(limits, PerMinute(n))
+	}
+	var uncached []Limit
+	for _, l := range limits {
+		lim := newLimiter(t, Config{Redis: c, Limit: l, Instances: 1, Heartbeat: -1, now: clock.Now})
+		key := l.String()
+		if d, err := lim.AllowN(ctx, key, l.Burst); err != nil || !d.Allowed {
+			t.Fatalf("%v: AllowN(burst) = %+v, %v", l, d, err)
+		}
+		lim.Allow(ctx, key) // denied by Redis: what it says is recorded
+		before := m.CommandCount()
+		d, err := lim.Allow(ctx, key)
+		if err != nil || d.Allowed || m.CommandCount() != before || !d.Cached || d.Mode != ModeRemote {
+			uncached = append(uncached, l)
+		}
+		lim.Close()
+	}
+	if len(uncached) > 0 {
+		t.Errorf("%d of %d limits sent a denial to Redis, or did not mark it Cached: %v", len(uncached), len(limits), uncached[:min(len(uncached), 10)])
+	}
+}
+
+// TestCachedDenialsExpire: after the key is deleted (an operator's DEL,
+// Redis losing its data), a cached denial stands for at most a second.
+func TestCachedDenialsExpire(t *testing.T) {
+	m, c := miniClient(t)
+	clock := newFakeClock(m)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerMinute(1), Instances: 1, Heartbeat: -1, now: clock.Now,
+		Prefix: "x:"})
+	ctx := context.Background()
+	lim.Allow(ctx, "k")
+	lim.Allow(ctx, "k") // denied by Redis, for a minute
+	if d, _ := lim.Allow(ctx, "k"); d.Allowed || !d.Cached {
+		t.Fatalf("Allow = %+v; want a cached denial", d)
+	}
+	m.Del("x:k")
+	clock.Add(1100 * time.Millisecond)
+	if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed || d.Mode != ModeRemote {
+		t.Errorf("Allow 1.1 s after the key was deleted = %+v, %v; want allowed by Redis", d, err)
+	}
+}
+
+// TestReconcileChargesOwnSpending: an instance holding a hundredth of the
+// limit that spent one token during an outage charges Redis one token, not
+// the whole burst.
+func TestReconcileChargesOwnSpending(t *testing.T) {
+	m, c := miniClient(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: Limit{Rate: 100.0 / 3600, Burst: 100}, Instances: 100,
+		Heartbeat: -1, Breaker: BreakerConfig{OpenFor: 20 * time.Millisecond}})
+	ctx := context.Background()
+	m.SetError("LOADING Redis is loading the dataset in memory")
+	allowed := 0
+	for range 10 {
+		if d, _ := lim.Allow(ctx, "k"); d.Allowed {
+			allowed++
+		}
+	}
+	if allowed != 1 {
+		t.Fatalf("%d allowed locally on a share of one token; want 1", allowed)
+	}
+	m.SetError("")
+	waitRemote(t, lim, "other")
+	if d, err := lim.AllowN(ctx, "k", 99); err != nil || !d.Allowed {
+		t.Errorf("AllowN(99) after the outage = %+v, %v; want allowed: the instance spent 1 of 100", d, err)
+	}
+}
+
+// waitRemote waits until a decision on key is Redis's again.
+func waitRemote(t *testing.T, lim *Limiter, key string) {
+	t.Helper()
+	for start := time.Now(); ; time.Sleep(5 * time.Millisecond) {
+		if d, err := lim.Allow(context.Background(), key); err == nil && d.Mode == ModeRemote {
+			return
+		}
+		if time.Since(start) > 2*time.Second {
+			t.Fatalf("not back to Redis 2 s after it healed: %v", lim.Stats().Breakers)
+		}
+	}
+}
+
+// TestTimeoutsAreCharged: decisions that time out now and then, too few to
+// open the breaker, are decided locally and then charged to Redis, so a
+// key at its limit does not get the local share on top of it.
+func TestTimeoutsAreCharged(t *testing.T) {
+	srv := redistest.Start(t)
+	px := faultproxy.Start(t, srv.Addr())
+	lim := newLimiter(t, Config{Redis: clients(t, px.Addr(), 1)[0], Limit: Limit{Rate: 10.0 / 3600, Burst: 10},
+		Instances: 1, Heartbeat: -1, Timeout: 20 * time.Millisecond, Breaker: BreakerConfig{Failures: 100}})
+	ctx := context.Background()
+	if d, err := lim.AllowN(ctx, "k", 4); err != nil || !d.Allowed || d.Mode != ModeRemote {
+		t.Fatalf("AllowN(4) = %+v, %v; want allowed by Redis", d, err)
+	}
+	px.SetDelay(60 * time.Millisecond)
+	for i := range 3 {
+		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed || d.Mode != ModeLocal {
+			t.Fatalf("timed-out Allow %d = %+v, %v; want allowed locally", i, d, err)
+		}
+	}
+	px.SetDelay(0)
+	// Redis runs the three late calls (3 left), and the three local
+	// admissions are charged (0 left).
+	time.Sleep(reconcileAfter + 300*time.Millisecond)
+	if d, err := lim.Allow(ctx, "k"); err != nil || d.Allowed || d.Mode != ModeRemote {
+		t.Errorf("Allow after the time-outs = %+v, %v; want denied by Redis: 4 + 3 late + 3 local spent", d, err)
+	}
+}
+
+// TestNewPodDuringOutage: an instance that starts while Redis is away and
+// is not told how many share the limit holds nothing (the instances that
+// heard from the fleet hold it all); told Instances, it holds its share.
+func TestNewPodDuringOutage(t *testing.T) {
+	ctx := context.Background()
+	unknown := newLimiter(t, Config{Redis: refused(t), Limit: PerSecond(100)})
+	if d, err := unknown.Allow(ctx, "k"); err != nil || d.Allowed || d.Mode != ModeLocal || d.RetryAfter <= 0 {
+		t.Errorf("Allow on a pod that never heard of its fleet = %+v, %v; want denied locally with a RetryAfter", d, err)
+	}
+	now := time.Now()
+	told := newLimiter(t, Config{Redis: refused(t), Limit: PerSecond(100), Instances: 4,
+		now: func() time.Time { return now }})
+	allowed := 0
+	for range 100 {
+		if d, _ := told.Allow(ctx, "k"); d.Allowed {
+			allowed++
+		}
+	}
+	if allowed != 25 {
+		t.Errorf("a pod told of 4 instances allowed %d of 100 at once; want 25", allowed)
+	}
+	if _, err := New(Config{Redis: refused(t), Limit: PerSecond(1), Heartbeat: -1}); err == nil {
+		t.Errorf("New with FailLocal, no heartbeat and no Instances = nil error; want ErrInvalidConfig")
+	}
+}

@@ -1,0 +1,199 @@
+package remote
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// errDown is a failure: the node reset the connection.
+var errDown = &net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}
+
+// errWrongType is a healthy answer: the server replied with an error.
+var errWrongType = serverError("WRONGTYPE Operation against a key holding the wrong kind of value")
+
+// serverError is an error the server answered with, as go-redis's redis.Error.
+type serverError string
+
+func (e serverError) Error() string { return string(e) }
+func (serverError) RedisError()     {}
+
+func TestIsFailure(t *testing.T) {
+	for _, tt := range []struct {
+		err     error
+		failure bool
+	}{
+		{nil, false},
+
+		// The server answered: healthy.
+		{redis.Nil, false},
+		{redis.ErrNoScript, false},
+		{errWrongType, false},
+		{serverError("ERR wrong number of arguments for 'evalsha' command"), false},
+		{serverError("ERR user_script:1: Script attempted to access nonexistent global variable 'x'"), false},
+		{serverError("NOSCRIPT No matching script. Please use EVAL."), false},
+		{serverError("BUSYKEY Target key name already exists."), false},
+		{serverError("BUSYGROUP Consumer Group name already exists"), false},
+		{fmt.Errorf("remote: %w", errWrongType), false},
+
+		// The server answered that it cannot decide.
+		{serverError("LOADING Redis is loading the dataset in memory"), true},
+		{serverError("READONLY You can't write against a read only replica."), true},
+		{serverError("ERR Error running script (call to f_0123): @user_script:1: -READONLY You can't write against a read only replica."), true},
+		{serverError("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."), true},
+		{serverError("CLUSTERDOWN The cluster is down"), true},
+		{serverError("OOM command not allowed when used memory > 'maxmemory'."), true},
+		{serverError("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE."), true},
+		{serverError("TRYAGAIN Multiple keys request during rehashing of slot"), true},
+		{serverError("NOREPLICAS Not enough good replicas to write."), true},
+		{serverError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk."), true},
+		{serverError("MOVED 3999 127.0.0.1:6381"), true},
+		{serverError("ASK 3999 127.0.0.1:6381"), true},
+		{serverError("ERR max number of clients reached"), true},
+		{fmt.Errorf("remote: %w", serverError("LOADING Redis is loading the dataset in memory")), true},
+
+		// No answer.
+		{&net.OpError{Op: "dial", Net: "tcp", Err: &os.SyscallError{Syscall: "connect", Err: syscall.ECONNREFUSED}}, true},
+		{errDown, true},
+		{syscall.ECONNRESET, true},
+		{syscall.EPIPE, true},
+		{&net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}, true},
+		{&net.DNSError{Err: "no such host", Name: "redis", IsNotFound: true}, true},
+		{io.EOF, true},
+		{io.ErrUnexpectedEOF, true},
+		{fmt.Errorf("remote: %w", io.EOF), true},
+		{context.DeadlineExceeded, true}, // our own time budget
+		{fmt.Errorf("remote: %w", context.DeadlineExceeded), true},
+		{redis.ErrPoolTimeout, true},
+		{redis.ErrPoolExhausted, true},
+		{redis.ErrClosed, true},
+		{errors.New("redis: can't parse \"?\""), true},
+
+		// Only a caller cancels.
+		{context.Canceled, false},
+		{fmt.Errorf("remote: %w", context.Canceled), false},
+	} {
+		if got := IsFailure(tt.err); got != tt.failure {
+			t.Errorf("IsFailure(%#v) = %v; want %v", tt.err, got, tt.failure)
+		}
+	}
+}
+
+// TestIsFailureGoRedis classifies errors as go-redis returns them, from a
+// fake server on an in-memory net.Pipe.
+func TestIsFailureGoRedis(t *testing.T) {
+	for _, tt := range []struct {
+		reply   string // RESP reply to every command but HELLO; "" closes, "hang" never replies
+		failure bool
+	}{
+		{"$-1\r\n", false}, // redis.Nil
+		{"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n", false},
+		{"-ERR unknown command 'x'\r\n", false},
+		{"-NOSCRIPT No matching script. Please use EVAL.\r\n", false},
+		{"-LOADING Redis is loading the dataset in memory\r\n", true},
+		{"-READONLY You can't write against a read only replica.\r\n", true},
+		{"-MASTERDOWN Link with MASTER is down\r\n", true},
+		{"-CLUSTERDOWN The cluster is down\r\n", true},
+		{"-OOM command not allowed when used memory > 'maxmemory'.\r\n", true},
+		{"-BUSY Redis is busy running a script.\r\n", true},
+		{"-TRYAGAIN Multiple keys request during rehashing of slot\r\n", true},
+		{"-NOREPLICAS Not enough good replicas to write.\r\n", true},
+		{"-MISCONF Redis is configured to save RDB snapshots\r\n", true},
+		{"-MOVED 3999 127.0.0.1:6381\r\n", true},
+		{"-ASK 3999 127.0.0.1:6381\r\n", true},
+		{"-ERR max number of clients reached\r\n", true},
+		{"", true},     // EOF
+		{"hang", true}, // read time-out
+	} {
+		client := redis.NewClient(&redis.Options{
+			Addr: "fake:6379",
+			Dialer: func(context.Context, string, string) (net.Conn, error) {
+				conn, srv := net.Pipe()
+				go serve(srv, tt.reply)
+				return conn, nil
+			},
+			Protocol:        2,
+			DisableIdentity: true,
+			MaxRetries:      -1,
+			ReadTimeout:     50 * time.Millisecond,
+		})
+		err := client.Get(context.Background(), "k").Err()
+		client.Close()
+		if err == nil {
+			t.Errorf("reply %q: Get returned no error", tt.reply)
+			continue
+		}
+		if got := IsFailure(err); got != tt.failure {
+			t.Errorf("reply %q: IsFailure(%#v) = %v; want %v", tt.reply, err, got, tt.failure)
+		}
+	}
+}
+
+// serve answers each command read from conn with reply, and HELLO with an
+// error so that go-redis stays on RESP2. It returns when conn is closed.
+func serve(conn net.Conn, reply string) {
+	defer conn.Close()
+	r := bufio.NewReader(conn)
+	for {
+		name, err := readCommand(r)
+		if err != nil {
+			return
+		}
+		switch {
+		case strings.EqualFold(name, "HELLO"):
+			_, err = io.WriteString(conn, "-ERR unknown command 'HELLO'\r\n")
+		case reply == "":
+			return
+		case reply == "hang":
+		default:
+			_, err = io.WriteString(conn, reply)
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// readCommand reads one RESP array of bulk strings and returns its first element.
+func readCommand(r *bufio.Reader) (string, error) {
+	line := func(prefix byte) (int, error) {
+		s, err := r.ReadString('\n')
+		if err != nil {
+			return 0, err
+		}
+		if len(s) < 3 || s[0] != prefix {
+			return 0, fmt.Errorf("unexpected line %q", s)
+		}
+		return strconv.Atoi(strings.TrimSuffix(s[1:], "\r\n"))
+	}
+	n, err := line('*')
+	if err != nil {
+		return "", err
+	}
+	var name string
+	for i := range n {
+		size, err := line('$')
+		if err != nil {
+			return "", err
+		}
+		buf := make([]byte, size+2)
+		if _, err := io.ReadFull(r, buf); err != nil {
+			return "", err
+		}
+		if i == 0 {
+			name = string(buf[:size])
+		}
+	}
+	return name, nil
+}
