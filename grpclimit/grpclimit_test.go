@@ -55,8 +55,8 @@ const (
 )
 
 // newLimiter returns a Limiter on a fresh miniredis whose clock stands at
-// epoch, with no heartbeat (shares stay 1/Instances), both closed by
-// t.Cleanup.
+// epoch, with no heartbeat (shares stay 1/Instances) and a Timeout of 2 s
+// unless cfg has one, both closed by t.Cleanup.
 func newLimiter(t *testing.T, cfg hybridlimit.Config) (*hybridlimit.Limiter, *miniredis.Miniredis) {
 	t.Helper()
 	m := miniredis.RunT(t)
@@ -65,6 +65,11 @@ func newLimiter(t *testing.T, cfg hybridlimit.Config) (*hybridlimit.Limiter, *mi
 	t.Cleanup(func() { c.Close() })
 	cfg.Redis = c
 	cfg.Heartbeat = -1
+	if cfg.Timeout == 0 {
+		// The default 50 ms is short for a race-detecting run on a busy
+		// machine, where a late answer would make a decision degraded.
+		cfg.Timeout = 2 * time.Second
+	}
 	lim, err := hybridlimit.New(cfg)
 	if err != nil {
 		t.Fatalf("hybridlimit.New: %v", err)
