@@ -123,6 +123,11 @@
 // of it (hybridlimit.FailLocal), or is 0, unknown, under
 // hybridlimit.FailOpen and hybridlimit.FailClosed.
 //
+// Fields builds the same two values from decisions made elsewhere, and
+// RuleKey and ValidName key and name rules as here, so that other
+// protocols (the grpclimit module for gRPC) report and share limits the
+// same way.
+//
 // With Config.LegacyHeaders, X-RateLimit-Limit, X-RateLimit-Remaining and
 // X-RateLimit-Reset repeat q, r and t of the first member. Reset is in
 // seconds from now, like t, not a Unix time.

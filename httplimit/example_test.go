@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -126,4 +127,22 @@ func ExampleHashed() {
 	// Output:
 	// 2bb80d537b1da3e38bd30361aa855686
 	// "" skips the rule
+}
+
+// The header fields of two rules' decisions, built outside a Middleware
+// (for another protocol's metadata, say): the per-user rule denied, so the
+// per-address tokens were refunded and its r shows them back.
+func ExampleFields() {
+	var f httplimit.Fields
+	ip := f.Add("ip", hybridlimit.Decision{Allowed: true, Remaining: 19, ResetAfter: 50 * time.Millisecond,
+		Limit: hybridlimit.PerSecond(20)})
+	f.Add("user", hybridlimit.Decision{RetryAfter: 1500 * time.Millisecond, Mode: hybridlimit.ModeLocal,
+		Limit: hybridlimit.PerMinute(600)})
+	f.Refunded(ip, 1)
+	policy, limit := f.Values()
+	fmt.Println(httplimit.HeaderPolicy+":", policy)
+	fmt.Println(httplimit.HeaderRateLimit+":", limit)
+	// Output:
+	// RateLimit-Policy: "user";q=600;w=60;hl-degraded, "ip";q=20;w=1
+	// RateLimit: "user";r=0;t=2;hl-degraded, "ip";r=20;t=1
 }

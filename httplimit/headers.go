@@ -37,6 +37,7 @@ type item struct {
 	denied   bool  // denied, or would have been (shadow)
 	shadowed bool  // would have been denied, let through by Config.Shadow
 	degraded bool
+	bucket   bool // the decision took tokens from a bucket, so a refund shows in r
 }
 
 // newItem describes d, a decision of the named rule.
@@ -49,6 +50,7 @@ func newItem(name string, d hybridlimit.Decision) item {
 		denied:   !d.Allowed || d.Shadowed,
 		shadowed: d.Shadowed,
 		degraded: d.Mode.Degraded(),
+		bucket:   d.Mode == hybridlimit.ModeRemote || d.Mode == hybridlimit.ModeLocal || d.Mode == hybridlimit.ModeLease,
 	}
 	if it.denied {
 		it.t = ceilSeconds(d.RetryAfter)
@@ -88,6 +90,15 @@ func ceilSeconds(d time.Duration) int64 {
 	return clamp(s)
 }
 
+// refunded raises the remaining count by n tokens given back, up to the
+// quota. Only the modes that took tokens from a bucket get them back
+// (hybridlimit.Limiter.Refund), so only theirs change.
+func (it *item) refunded(n int64) {
+	if it.bucket {
+		it.r = min(it.r+n, it.q)
+	}
+}
+
 // clamp returns n within the sf-integers that cannot be negative.
 func clamp(n int64) int64 { return min(max(n, 0), maxInteger) }
 
@@ -99,6 +110,28 @@ func (m *Middleware) setHeaders(h http.Header, items []item, denied bool) {
 	if len(items) == 0 {
 		return
 	}
+	policy, limit := format(items)
+	h.Add(HeaderPolicy, policy)
+	h.Add(HeaderRateLimit, limit)
+	shadow := false
+	for _, it := range items {
+		shadow = shadow || it.shadowed
+	}
+	if shadow && !denied {
+		h.Set(HeaderShadow, "deny")
+	}
+	if m.legacy {
+		first := items[0]
+		h.Set("X-RateLimit-Limit", strconv.FormatInt(first.q, 10))
+		h.Set("X-RateLimit-Remaining", strconv.FormatInt(first.r, 10))
+		h.Set("X-RateLimit-Reset", strconv.FormatInt(first.t, 10))
+	}
+}
+
+// format sorts items, the most restrictive first (a denial, the longest
+// wait, then the fewest remaining), and returns the values of the
+// RateLimit-Policy and RateLimit fields that list them.
+func format(items []item) (policy, limit string) {
 	slices.SortStableFunc(items, func(a, b item) int {
 		switch {
 		case a.denied != b.denied:
@@ -113,36 +146,65 @@ func (m *Middleware) setHeaders(h http.Header, items []item, denied bool) {
 		}
 		return cmpInt(b.t, a.t)
 	})
-	var policy, limit []byte
-	shadow := false
+	var p, l []byte
 	for i, it := range items {
 		if i > 0 {
-			policy = append(policy, ", "...)
-			limit = append(limit, ", "...)
+			p = append(p, ", "...)
+			l = append(l, ", "...)
 		}
-		policy = appendString(policy, it.name)
-		policy = appendParam(policy, "q", it.q)
-		policy = appendParam(policy, "w", it.w)
-		limit = appendString(limit, it.name)
-		limit = appendParam(limit, "r", it.r)
-		limit = appendParam(limit, "t", it.t)
+		p = appendString(p, it.name)
+		p = appendParam(p, "q", it.q)
+		p = appendParam(p, "w", it.w)
+		l = appendString(l, it.name)
+		l = appendParam(l, "r", it.r)
+		l = appendParam(l, "t", it.t)
 		if it.degraded {
-			policy = append(policy, ";"+ParamDegraded...)
-			limit = append(limit, ";"+ParamDegraded...)
+			p = append(p, ";"+ParamDegraded...)
+			l = append(l, ";"+ParamDegraded...)
 		}
-		shadow = shadow || it.shadowed
 	}
-	h.Add(HeaderPolicy, string(policy))
-	h.Add(HeaderRateLimit, string(limit))
-	if shadow && !denied {
-		h.Set(HeaderShadow, "deny")
+	return string(p), string(l)
+}
+
+// Fields builds the values of the RateLimit-Policy and RateLimit fields
+// from the decisions of the rules that decided one request, exactly as
+// Middleware does, for servers that carry the fields elsewhere than in an
+// http.Header: the grpclimit module puts them in gRPC metadata. The zero
+// Fields has no members and is ready to use.
+type Fields struct {
+	items []item
+}
+
+// Add adds the members of the rule named name for its decision d, and
+// returns their index for Refunded. The name must be one that ValidName
+// accepts.
+func (f *Fields) Add(name string, d hybridlimit.Decision) int {
+	f.items = append(f.items, newItem(name, d))
+	return len(f.items) - 1
+}
+
+// Refunded records that n tokens of the decision added at index i were
+// given back with hybridlimit.Limiter.Refund: its remaining count rises by
+// n, up to the quota, if its Mode took them from a bucket. An index that
+// Add did not return is ignored.
+func (f *Fields) Refunded(i int, n int64) {
+	if i >= 0 && i < len(f.items) {
+		f.items[i].refunded(n)
 	}
-	if m.legacy {
-		first := items[0]
-		h.Set("X-RateLimit-Limit", strconv.FormatInt(first.q, 10))
-		h.Set("X-RateLimit-Remaining", strconv.FormatInt(first.r, 10))
-		h.Set("X-RateLimit-Reset", strconv.FormatInt(first.t, 10))
+}
+
+// Len returns the number of decisions added.
+func (f *Fields) Len() int { return len(f.items) }
+
+// Values returns the values of the RateLimit-Policy and RateLimit fields,
+// one member per decision added, the most restrictive first; two empty
+// strings if none was added.
+func (f *Fields) Values() (policy, limit string) {
+	if len(f.items) == 0 {
+		return "", ""
 	}
+	// A copy, so that the indices that Add returned stay valid.
+	return format(slices.Clone(f.items))
 }
 
 func cmpInt(a, b int64) int {

@@ -149,18 +149,28 @@ func New(cfg Config) (*Middleware, error) {
 	return m, nil
 }
 
-// checkName reports whether name can be a policy name: an sf-string
-// (printable ASCII) and a key prefix (no ':').
+// checkName says why name cannot be a Rule's Name, or returns nil.
 func checkName(name string) error {
 	if name == "" {
 		return errors.New("empty")
 	}
-	for i := 0; i < len(name); i++ {
-		if c := name[i]; c < 0x20 || c > 0x7e || c == ':' {
-			return fmt.Errorf("%q: want printable ASCII without ':'", name)
-		}
+	if !ValidName(name) {
+		return fmt.Errorf("%q: want printable ASCII without ':'", name)
 	}
 	return nil
+}
+
+// ValidName reports whether name can be a Rule's Name: not empty, an
+// sf-string in the header fields (printable ASCII) and a key prefix (no
+// ':'). Other packages that name rules the same way, such as grpclimit,
+// check their names with it.
+func ValidName(name string) bool {
+	for i := 0; i < len(name); i++ {
+		if c := name[i]; c < 0x20 || c > 0x7e || c == ':' {
+			return false
+		}
+	}
+	return name != ""
 }
 
 // Handler returns a handler that serves next if every rule allows the
@@ -222,7 +232,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if key == "" {
 			continue
 		}
-		bkey := bucketKey(rule.Name, key)
+		bkey := RuleKey(rule.Name, key)
 		d, err := rule.Limiter.AllowN(ctx, bkey, rule.Cost)
 		if err != nil {
 			if m.failed(ctx, w, r, grants, fmt.Errorf("httplimit: rule %q: %w", rule.Name, err)) {
@@ -274,17 +284,18 @@ func (m *Middleware) refund(ctx context.Context, grants []grant, items []item) {
 			m.log.ErrorContext(ctx, "httplimit: refund failed", "rule", g.rule.Name, "err", err)
 			continue
 		}
-		if items != nil && (g.d.Mode == hybridlimit.ModeRemote || g.d.Mode == hybridlimit.ModeLocal || g.d.Mode == hybridlimit.ModeLease) {
-			it := &items[g.item]
-			it.r = min(it.r+g.rule.Cost, it.q)
+		if items != nil {
+			items[g.item].refunded(g.rule.Cost)
 		}
 	}
 }
 
-// bucketKey returns the limiter's key for key under the named rule:
+// RuleKey returns the limiter's key for key under the rule named name:
 // name + ":" + key, or, when that is longer than hybridlimit.MaxKeyLen,
-// name + ":sha256:" + the hex SHA-256 of key.
-func bucketKey(name, key string) string {
+// name + ":sha256:" + the hex SHA-256 of key. Other packages that key
+// rules the same way, such as grpclimit, use it, so that a rule of theirs
+// with the same Name and Limiter shares its buckets with this package's.
+func RuleKey(name, key string) string {
 	if len(name)+1+len(key) <= hybridlimit.MaxKeyLen {
 		return name + ":" + key
 	}

@@ -185,12 +185,12 @@ func TestKeyFuncs(t *testing.T) {
 }
 
 func TestBucketKey(t *testing.T) {
-	if got := bucketKey("ip", "192.0.2.1"); got != "ip:192.0.2.1" {
-		t.Errorf("bucketKey = %q; want ip:192.0.2.1", got)
+	if got := RuleKey("ip", "192.0.2.1"); got != "ip:192.0.2.1" {
+		t.Errorf("RuleKey = %q; want ip:192.0.2.1", got)
 	}
 	long := string(make([]byte, 2000))
-	got := bucketKey("h", long)
+	got := RuleKey("h", long)
 	if len(got) != len("h:sha256:")+64 || got[:9] != "h:sha256:" {
-		t.Errorf("bucketKey(long) = %q; want h:sha256:<64 hex>", got)
+		t.Errorf("RuleKey(long) = %q; want h:sha256:<64 hex>", got)
 	}
 }
