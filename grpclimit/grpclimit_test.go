@@ -65,6 +65,9 @@ func newLimiter(t *testing.T, cfg hybridlimit.Config) (*hybridlimit.Limiter, *mi
 	t.Cleanup(func() { c.Close() })
 	cfg.Redis = c
 	cfg.Heartbeat = -1
+	if cfg.Instances == 0 {
+		cfg.Instances = 1 // without a heartbeat, the share must be said
+	}
 	if cfg.Timeout == 0 {
 		// The default 50 ms is short for a race-detecting run on a busy
 		// machine, where a late answer would make a decision degraded.

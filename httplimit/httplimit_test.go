@@ -56,6 +56,9 @@ func newLimiter(t *testing.T, cfg hybridlimit.Config) *hybridlimit.Limiter {
 func limiterOn(t *testing.T, cfg hybridlimit.Config) *hybridlimit.Limiter {
 	t.Helper()
 	cfg.Heartbeat = -1
+	if cfg.Instances == 0 {
+		cfg.Instances = 1 // without a heartbeat, the share must be said
+	}
 	lim, err := hybridlimit.New(cfg)
 	if err != nil {
 		t.Fatalf("hybridlimit.New: %v", err)

@@ -52,6 +52,9 @@ func newLimiter(t *testing.T, cfg hybridlimit.Config) *hybridlimit.Limiter {
 	t.Helper()
 	cfg.Prefix = t.Name() + ":" + cfg.Name + ":"
 	cfg.Heartbeat = -1
+	if cfg.Instances == 0 {
+		cfg.Instances = 1 // without a heartbeat, the share must be said
+	}
 	cfg.Breaker = hybridlimit.BreakerConfig{Failures: 2, OpenFor: time.Hour}
 	lim, err := hybridlimit.New(cfg)
 	if err != nil {
