@@ -60,6 +60,11 @@ type Server struct {
 	conns   map[net.Conn]struct{}
 
 	wg sync.WaitGroup // one per served connection
+
+	// Hook, if not nil, is called with s's lock held after every call of
+	// the bucket script, with the tag of the connection it came on. Set it
+	// before serving; it must not call s.
+	Hook func(tag int, key string, argv []string, reply any)
 }
 
 // New returns an empty Server with an empty script cache.
@@ -67,8 +72,9 @@ func New() *Server {
 	return &Server{data: map[string]*value{}, scripts: map[string]bool{}, conns: map[net.Conn]struct{}{}}
 }
 
-// Serve serves conn from a goroutine of its own until conn fails or Close.
-func (s *Server) Serve(conn net.Conn) {
+// Serve serves conn from a goroutine of its own until conn fails or Close;
+// tag names the client for Hook.
+func (s *Server) Serve(conn net.Conn, tag int) {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
@@ -86,7 +92,7 @@ func (s *Server) Serve(conn net.Conn) {
 			s.mu.Unlock()
 			conn.Close()
 		}()
-		s.serve(conn)
+		s.serve(conn, tag)
 	}()
 }
 
@@ -142,6 +148,32 @@ func (s *Server) Bucket(key string) (level, at, p int64, ok bool) {
 	return int64(l), int64(t), int64(lp), ok
 }
 
+// Level returns the units key's bucket holds now, at the server's clock,
+// for a limit of q units a microsecond, p units a token and capacity cap:
+// what the script would refill it to before a decision. A missing or
+// foreign value is a full bucket.
+func (s *Server) Level(key string, q, p, capacity int64) int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	v := s.get(now, key)
+	if v == nil || v.hash {
+		return capacity
+	}
+	_, l, t, lp, ok := unpack(v.s)
+	if !ok || lp <= 0 {
+		return capacity
+	}
+	level := l
+	if lp != float64(p) {
+		level = math.Floor(level * float64(p) / lp)
+	}
+	if us := float64(now.UnixMicro()); us > t {
+		level += (us - t) * float64(q)
+	}
+	return int64(math.Min(level, float64(capacity)))
+}
+
 // now requires that s.mu is held.
 func (s *Server) now() time.Time { return time.Now().Add(s.skew) }
 
@@ -156,7 +188,7 @@ func (s *Server) get(now time.Time, key string) *value {
 	return v
 }
 
-func (s *Server) serve(conn net.Conn) {
+func (s *Server) serve(conn net.Conn, tag int) {
 	r := bufio.NewReader(conn)
 	w := bufio.NewWriter(conn)
 	for {
@@ -167,7 +199,7 @@ func (s *Server) serve(conn net.Conn) {
 			}
 			return
 		}
-		s.do(w, args)
+		s.do(w, args, tag)
 		if r.Buffered() == 0 {
 			if w.Flush() != nil {
 				return
@@ -247,15 +279,15 @@ func write(w *bufio.Writer, v any) {
 	}
 }
 
-func (s *Server) do(w *bufio.Writer, args []string) {
+func (s *Server) do(w *bufio.Writer, args []string, tag int) {
 	s.mu.Lock()
-	reply := s.command(args)
+	reply := s.command(args, tag)
 	s.mu.Unlock()
 	write(w, reply)
 }
 
 // command runs one command. command requires that s.mu is held.
-func (s *Server) command(args []string) any {
+func (s *Server) command(args []string, tag int) any {
 	now := s.now()
 	switch strings.ToUpper(args[0]) {
 	case "PING":
@@ -338,7 +370,11 @@ func (s *Server) command(args []string) any {
 		}
 		s.calls++
 		if h == bucketSHA {
-			return s.bucket(now, args[3], args[4:])
+			reply := s.bucket(now, args[3], args[4:])
+			if s.Hook != nil {
+				s.Hook(tag, args[3], args[4:], reply)
+			}
+			return reply
 		}
 		return s.fleet(now, args[3], args[4:])
 	}
