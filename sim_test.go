@@ -110,6 +110,37 @@ func (s schedule) String() string {
 // changes and no refunds: the exact-count check applies.
 func (s schedule) healthy() bool { return len(s.Events) == 0 && s.Refunds == 0 && s.MaxN == 1 }
 
+// features names what s has that a defect may need, for the summary's
+// breakdown of failing seeds.
+func (s schedule) features() []string {
+	var f []string
+	if s.Probes >= 2 {
+		f = append(f, "probes>=2")
+	}
+	if s.Deadline == "short" {
+		f = append(f, "short-deadlines")
+	}
+	if s.Waiters > 0 {
+		f = append(f, "waitn")
+	}
+	if s.Limit.Burst < int64(s.Slots) || s.CfgInst < s.Slots {
+		f = append(f, "burst<fleet-or-Instances<fleet")
+	}
+	if s.Refunds > 0 {
+		f = append(f, "refunds")
+	}
+	kinds := map[string]bool{}
+	for _, e := range s.Events {
+		kinds[e.Kind] = true
+	}
+	for _, k := range []string{"setlimit", "clockback", "kill", "hang", "flap", "latency", "join", "leave", "reset", "scriptflush"} {
+		if kinds[k] {
+			f = append(f, k)
+		}
+	}
+	return f
+}
+
 // genSchedule draws a schedule from seed. Most fleets are small, for speed.
 func genSchedule(seed uint64) schedule {
 	r := rand.New(rand.NewPCG(seed, 0x5eed))
@@ -117,7 +148,7 @@ func genSchedule(seed uint64) schedule {
 	dur := func(lo, hi time.Duration) time.Duration {
 		return lo + time.Duration(r.Int64N(int64(hi-lo)/int64(time.Millisecond)+1))*time.Millisecond
 	}
-	s := schedule{Seed: seed, Duration: dur(3*time.Second, 6*time.Second)}
+	s := schedule{Seed: seed, Duration: dur(2500*time.Millisecond, 4500*time.Millisecond)}
 	switch x := r.IntN(20); {
 	case x < 12:
 		s.Instances = 1 + r.IntN(3)
@@ -154,7 +185,7 @@ func genSchedule(seed uint64) schedule {
 	s.Keys = pick(1, 1, 2, 3, 5)
 	s.Shape = []string{"even", "80/15/5", "sticky"}[r.IntN(3)]
 	// Offered: from under the limit to several times it, capped for speed.
-	s.Offered = math.Min(400, math.Max(5, s.Limit.Rate*float64(s.Keys)*[]float64{0.5, 1.5, 3, 6}[r.IntN(4)]))
+	s.Offered = math.Min(200, math.Max(5, s.Limit.Rate*float64(s.Keys)*[]float64{0.5, 1.5, 3, 6}[r.IntN(4)]))
 	s.Deadline = []string{"none", "none", "short", "long"}[r.IntN(4)]
 	s.MaxN = 1
 	if r.IntN(3) == 0 {
@@ -418,7 +449,21 @@ func simulate(t *testing.T, s schedule) (map[string][]string, []record) {
 				v["goroutine-leak"] = append(v["goroutine-leak"], msg)
 			}
 		}()
-		synctest.Test(t, func(*testing.T) { r.run() })
+		synctest.Test(t, func(*testing.T) {
+			r.run()
+			if *simSeed >= 0 {
+				// Replaying: name the goroutines left, if any.
+				synctest.Wait()
+				buf := make([]byte, 1<<20)
+				buf = buf[:runtime.Stack(buf, true)]
+				for _, g := range strings.Split(string(buf), "\n\n") {
+					if strings.Contains(g, "synctest bubble") && !strings.Contains(g, "[running") &&
+						!strings.Contains(g, "synctest.Run") && !strings.Contains(g, "testingSynctestTest") {
+						v["goroutine-leak"] = append(v["goroutine-leak"], g)
+					}
+				}
+			}
+		})
 	}()
 	r.check(v)
 	return v, r.recs
@@ -653,6 +698,10 @@ func (r *simRun) run() {
 		}
 	}
 	r.srv.Close()
+	// go-redis's dial retries and read time-outs may still be sleeping:
+	// give them time to end, so that what the bubble then holds is stuck
+	// for good.
+	time.Sleep(30 * time.Second)
 }
 
 // share returns the part of the offered traffic slot i sends.
@@ -735,7 +784,10 @@ func (r *simRun) call(in *instance, i int, key string, n int64, dl time.Duration
 	if err == nil && d.Allowed && d.Mode == ModeLocal {
 		rec.weight = in.lim.Stats().Weight
 	}
-	if err == nil && !d.Allowed && d.Mode == ModeRemote && !r.changes() {
+	// A denial made at once (from what Redis said, or by a Redis with no
+	// latency) must be one that Redis's bucket would give now; a denial
+	// that took time may have been right when Redis gave it.
+	if err == nil && !d.Allowed && d.Mode == ModeRemote && rec.end == rec.start && !r.changes() {
 		l := r.limitAt(rec.end)
 		if rl, lerr := remote.NewLimit(l.Rate, l.Burst); lerr == nil {
 			if r.srv.Level(DefaultPrefix+key, rl.Q, rl.P, rl.Cap()) >= n*rl.P {
@@ -1173,12 +1225,22 @@ func TestSim(t *testing.T) {
 	}
 	var mu sync.Mutex
 	failed := map[string][]uint64{}
+	feats := map[string]map[string]int{} // invariant, feature: failing seeds
 	start := time.Now()
 	t.Run("seeds", func(t *testing.T) {
 		for seed := *simFirst; seed < *simFirst+uint64(*simSeeds); seed++ {
 			t.Run(fmt.Sprint(seed), func(t *testing.T) {
-				v, _ := simulate(t, genSchedule(seed))
+				sched := genSchedule(seed)
+				v, _ := simulate(t, sched)
 				mu.Lock()
+				for name := range v {
+					if feats[name] == nil {
+						feats[name] = map[string]int{}
+					}
+					for _, f := range sched.features() {
+						feats[name][f]++
+					}
+				}
 				for name := range v {
 					failed[name] = append(failed[name], seed)
 				}
@@ -1196,7 +1258,13 @@ func TestSim(t *testing.T) {
 		fmt.Fprintf(&b, "  %-24s %5d seeds", name, len(seeds))
 		if len(seeds) > 0 {
 			any = true
-			fmt.Fprintf(&b, "  e.g. %v", seeds[:min(5, len(seeds))])
+			fmt.Fprintf(&b, "  e.g. %v\n   ", seeds[:min(5, len(seeds))])
+			var fs []string
+			for f, n := range feats[name] {
+				fs = append(fs, fmt.Sprintf("%s %d", f, n))
+			}
+			slices.Sort(fs)
+			fmt.Fprintf(&b, "  with: %s", strings.Join(fs, ", "))
 		}
 		b.WriteString("\n")
 	}
