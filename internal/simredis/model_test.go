@@ -3,6 +3,7 @@ package simredis
 import (
 	"bytes"
 	"context"
+	"errors"
 	"math/rand/v2"
 	"reflect"
 	"strconv"
@@ -54,6 +55,9 @@ func TestModelMatchesRedis(t *testing.T) {
 			us := time.Now().UnixMicro() + rng.Int64N(5e6)
 			raw := pack(float64(rng.Int64N(rl.Cap()+1)), float64(us), float64(rl.P))
 			plant(t, c, m, key, raw)
+		case 3: // an empty bucket stored in the future: a debt, or a clock that went back on one
+			us := time.Now().UnixMicro() + rng.Int64N(5e6)
+			plant(t, c, m, key, pack(0, float64(us), float64(rl.P)))
 		case 1: // a bucket under another limit
 			o := limits[rng.IntN(len(limits))]
 			raw := pack(float64(rng.Int64N(o.Cap()+1)), float64(time.Now().UnixMicro()-rng.Int64N(2e6)), float64(o.P))
@@ -63,13 +67,31 @@ func TestModelMatchesRedis(t *testing.T) {
 		}
 		cost := rl.Units(rng.Int64N(rl.Burst+2) - 1)
 		argv := []any{rl.Q, rl.P, rl.Cap(), cost}
-		switch rng.IntN(6) {
-		case 0:
+		switch rng.IntN(8) {
+		case 0: // a charge, up to two bursts: into debt and past its floor
 			argv = append(argv, "charge")
-			argv[3] = rng.Int64N(rl.Cap() + 1)
+			argv[3] = rng.Int64N(2*rl.Cap() + 1)
 		case 1:
 			argv = append(argv, "lease", rl.P*rng.Int64N(rl.Burst+1))
+		case 2: // a large refund, in debt or not
+			argv[3] = -rng.Int64N(rl.Cap() + 1)
+		case 3: // a charge, then a denial under a larger burst at the same P: the TTL follows the limit
+			ch := []any{rl.Q, rl.P, rl.Cap(), rl.Cap(), "charge"}
+			call(t, c, m, i, key, ch)
+			big := remote.Limit{Q: rl.Q, P: rl.P, Burst: rl.Burst*4 + 1}
+			argv = []any{big.Q, big.P, big.Cap(), big.Cap()}
 		}
+		call(t, c, m, i, key, argv)
+	}
+}
+
+// call runs the bucket script with argv at key on the real server and on
+// the model, at the TIME the real script read, and fails unless the reply,
+// the stored bytes and the TTL are the same.
+func call(t *testing.T, c *redis.Client, m *Server, i int, key string, argv []any) {
+	t.Helper()
+	ctx := context.Background()
+	{
 		got, err := c.EvalSha(ctx, bucketSHA, []string{key}, argv...).Result()
 		if err != nil {
 			t.Fatalf("call %d: EVALSHA: %v", i, err)
@@ -94,10 +116,13 @@ func TestModelMatchesRedis(t *testing.T) {
 			t.Fatalf("call %d %s %v: model %v, redis %v", i, key, argv, want, got)
 		}
 		raw, err := c.Get(ctx, key).Bytes()
+		v := m.get(at, key)
+		if errors.Is(err, redis.Nil) && v == nil {
+			return // a denial on a missing key: nothing stored on either
+		}
 		if err != nil {
 			t.Fatalf("call %d: GET: %v", i, err)
 		}
-		v := m.get(at, key)
 		if v == nil || !bytes.Equal(v.s, raw) {
 			t.Fatalf("call %d %s %v: model stored %v, redis %x", i, key, argv, v, raw)
 		}

@@ -65,6 +65,10 @@ type Server struct {
 	// the bucket script, with the tag of the connection it came on. Set it
 	// before serving; it must not call s.
 	Hook func(tag int, key string, argv []string, reply any)
+
+	// FleetHook, if not nil, is called like Hook after every call of the
+	// fleet script (a heartbeat).
+	FleetHook func(tag int)
 }
 
 // New returns an empty Server with an empty script cache.
@@ -151,7 +155,7 @@ func (s *Server) Bucket(key string) (level, at, p int64, ok bool) {
 // Level returns the units key's bucket holds now, at the server's clock,
 // for a limit of q units a microsecond, p units a token and capacity cap:
 // what the script would refill it to before a decision. A missing or
-// foreign value is a full bucket.
+// foreign value is a full bucket; a bucket in debt is negative.
 func (s *Server) Level(key string, q, p, capacity int64) int64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -168,10 +172,12 @@ func (s *Server) Level(key string, q, p, capacity int64) int64 {
 	if lp != float64(p) {
 		level = math.Floor(level * float64(p) / lp)
 	}
-	if us := float64(now.UnixMicro()); us > t {
+	if us := float64(now.UnixMicro()); us >= t {
 		level += (us - t) * float64(q)
+	} else if level == 0 {
+		level = -(t - us) * float64(q) // a debt
 	}
-	return int64(math.Min(level, float64(capacity)))
+	return int64(math.Max(math.Min(level, float64(capacity)), -float64(capacity)))
 }
 
 // now requires that s.mu is held.
@@ -376,7 +382,11 @@ func (s *Server) command(args []string, tag int) any {
 			}
 			return reply
 		}
-		return s.fleet(now, args[3], args[4:])
+		reply := s.fleet(now, args[3], args[4:])
+		if s.FleetHook != nil {
+			s.FleetHook(tag)
+		}
+		return reply
 	}
 	return rerror(fmt.Sprintf("ERR unknown command '%s', with args beginning with: ", args[0]))
 }
@@ -405,9 +415,11 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 	now := float64(us/1e6)*1e6 + float64(us%1e6)
 
 	level := capacity
+	last := now // the time stored with the level
 	flags := 0.0
 	dirty := false
-	if v := s.get(at, key); v != nil {
+	v := s.get(at, key)
+	if v != nil {
 		var l, st, lp float64
 		good := false
 		if !v.hash {
@@ -419,11 +431,18 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 				level = math.Floor(level * p / lp)
 				dirty = true
 			}
-			if now > st {
+			if now >= st {
 				level = level + (now-st)*q
+			} else {
+				last = st
+				if level == 0 {
+					level = -(st - now) * q
+				}
 			}
 			if level > capacity {
 				level = capacity
+			} else if level < -capacity {
+				level = -capacity
 			}
 		} else {
 			flags = 2
@@ -441,11 +460,12 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 	if mode == "charge" {
 		flags++
 		level -= cost
-		if level < 0 {
-			level = 0
+		if level < -capacity {
+			level = -capacity
 		}
 		dirty = true
-	} else if cost <= level {
+	} else if cost < 0 || cost <= level {
+		// A refund (a negative cost) is always taken, in debt too.
 		flags++
 		level -= cost
 		if level > capacity {
@@ -461,9 +481,19 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 		}
 		dirty = true
 	}
+	// Expire one second after the bucket would be full again.
+	px := math.Ceil((capacity-level)/q/1000) + 1000
+	expire := at.Add(time.Duration(px) * time.Millisecond)
 	if dirty {
-		px := math.Ceil((capacity-level)/q/1000) + 1000
-		s.data[key] = &value{s: pack(level, now, p), expire: at.Add(time.Duration(px) * time.Millisecond)}
+		stored := level
+		if level < 0 {
+			stored = 0
+			last = now + math.Ceil(-level/q)
+		}
+		s.data[key] = &value{s: pack(stored, last, p), expire: expire}
+	} else if v != nil && !v.hash {
+		// A denial writes nothing but sets the TTL for the current limit.
+		v.expire = expire
 	}
 	if mode == "lease" {
 		return []any{int64(flags), int64(level), int64(now), int64(leased)}
