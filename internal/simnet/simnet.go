@@ -1,0 +1,347 @@
+// Package simnet is an in-memory network for the simulator: connections
+// between Redis clients and an in-process server, with faults that a test
+// schedules per client (per Link): added latency, a hang (the server stops
+// reading and replying, as under SIGSTOP, while writes are still accepted),
+// a reset of every connection, and refused dials.
+//
+// Everything blocks on channels and timers, so inside a testing/synctest
+// bubble a goroutine waiting on a Conn is durably blocked and time moves on.
+// Writes never block: each direction is an unbounded buffer, like a socket
+// whose peer reads eventually, so a pipeline written whole before its
+// replies are read cannot deadlock as it would on a net.Pipe.
+package simnet
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Link is the path from one client (one limiter instance) to the server:
+// the faults applied to every connection it dials. Link is safe for
+// concurrent use.
+type Link struct {
+	mu      sync.Mutex // protects every field
+	latency time.Duration
+	hung    bool
+	refuse  bool
+	conns   map[*Conn]struct{}
+	dials   int
+}
+
+// NewLink returns a healthy Link.
+func NewLink() *Link { return &Link{conns: map[*Conn]struct{}{}} }
+
+// SetLatency delays every reply written from now on by d.
+func (l *Link) SetLatency(d time.Duration) {
+	l.mu.Lock()
+	l.latency = d
+	l.mu.Unlock()
+}
+
+// Hang stops the server reading from and replying on this link's
+// connections until Resume; writes are still accepted.
+func (l *Link) Hang() { l.setHung(true) }
+
+// Resume ends Hang: what was written meanwhile is read and answered.
+func (l *Link) Resume() { l.setHung(false) }
+
+func (l *Link) setHung(h bool) {
+	l.mu.Lock()
+	l.hung = h
+	conns := l.snapshot()
+	l.mu.Unlock()
+	for _, c := range conns {
+		c.up.kick()
+		c.down.kick()
+	}
+}
+
+// Refuse makes new dials fail with "connection refused" while on is true.
+func (l *Link) Refuse(on bool) {
+	l.mu.Lock()
+	l.refuse = on
+	l.mu.Unlock()
+}
+
+// Reset closes every open connection of the link with ECONNRESET.
+func (l *Link) Reset() {
+	l.mu.Lock()
+	conns := l.snapshot()
+	l.mu.Unlock()
+	for _, c := range conns {
+		c.reset()
+	}
+}
+
+// Dials returns how many connections the link has made.
+func (l *Link) Dials() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.dials
+}
+
+// snapshot requires that l.mu is held.
+func (l *Link) snapshot() []*Conn {
+	out := make([]*Conn, 0, len(l.conns))
+	for c := range l.conns {
+		out = append(out, c)
+	}
+	return out
+}
+
+func (l *Link) isHung() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.hung
+}
+
+func (l *Link) delay() time.Duration {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.latency
+}
+
+// Dial returns the client end of a new connection and hands the server end
+// to serve, which must read it until it returns an error. It fails with a
+// refused-connection error while Refuse is on.
+func (l *Link) Dial(serve func(net.Conn)) (net.Conn, error) {
+	l.mu.Lock()
+	if l.refuse {
+		l.mu.Unlock()
+		return nil, &net.OpError{Op: "dial", Net: "sim", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
+	}
+	l.dials++
+	c := &Conn{link: l, up: newStream(), down: newStream()}
+	l.conns[c] = struct{}{}
+	l.mu.Unlock()
+	serve(&serverEnd{c})
+	return c, nil
+}
+
+// chunk is bytes written at once, readable from at.
+type chunk struct {
+	b  []byte
+	at time.Time
+}
+
+// stream is one direction of a connection: an unbounded queue of chunks.
+type stream struct {
+	mu       sync.Mutex // protects every field
+	chunks   []chunk
+	err      error // set when closed: what reads return once drained (io.EOF) or at once (reset)
+	hard     bool  // err is returned before buffered data
+	deadline time.Time
+	wake     chan struct{} // closed and replaced on every change
+}
+
+func newStream() *stream { return &stream{wake: make(chan struct{})} }
+
+// kick wakes the readers of s. kick requires that s.mu is not held.
+func (s *stream) kick() {
+	s.mu.Lock()
+	s.kickLocked()
+	s.mu.Unlock()
+}
+
+func (s *stream) kickLocked() {
+	close(s.wake)
+	s.wake = make(chan struct{})
+}
+
+func (s *stream) write(b []byte, at time.Time) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.err != nil {
+		if s.hard {
+			return 0, s.err
+		}
+		return 0, io.ErrClosedPipe
+	}
+	if n := len(s.chunks); n > 0 && s.chunks[n-1].at.After(at) {
+		at = s.chunks[n-1].at // bytes keep their order
+	}
+	s.chunks = append(s.chunks, chunk{append([]byte(nil), b...), at})
+	s.kickLocked()
+	return len(b), nil
+}
+
+func (s *stream) close(err error, hard bool) {
+	s.mu.Lock()
+	if s.err == nil {
+		s.err, s.hard = err, hard
+	}
+	s.kickLocked()
+	s.mu.Unlock()
+}
+
+func (s *stream) setDeadline(t time.Time) {
+	s.mu.Lock()
+	s.deadline = t
+	s.kickLocked()
+	s.mu.Unlock()
+}
+
+var errTimeout = &net.OpError{Op: "read", Net: "sim", Err: os.ErrDeadlineExceeded}
+
+// read reads what is due, waiting while paused() is true, until the
+// deadline (if useDeadline) or close.
+func (s *stream) read(b []byte, paused func() bool, useDeadline bool) (int, error) {
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	for {
+		s.mu.Lock()
+		now := time.Now()
+		if s.err != nil && s.hard {
+			s.mu.Unlock()
+			return 0, s.err
+		}
+		if useDeadline && !s.deadline.IsZero() && !now.Before(s.deadline) {
+			s.mu.Unlock()
+			return 0, errTimeout
+		}
+		var wakeAt time.Time
+		if !paused() {
+			if len(s.chunks) > 0 {
+				c := &s.chunks[0]
+				if !now.Before(c.at) {
+					n := copy(b, c.b)
+					c.b = c.b[n:]
+					if len(c.b) == 0 {
+						s.chunks = s.chunks[1:]
+					}
+					s.mu.Unlock()
+					return n, nil
+				}
+				wakeAt = c.at
+			} else if s.err != nil {
+				s.mu.Unlock()
+				return 0, s.err
+			}
+		}
+		if useDeadline && !s.deadline.IsZero() && (wakeAt.IsZero() || s.deadline.Before(wakeAt)) {
+			wakeAt = s.deadline
+		}
+		wake := s.wake
+		s.mu.Unlock()
+		var tc <-chan time.Time
+		if !wakeAt.IsZero() {
+			if timer == nil {
+				timer = time.NewTimer(wakeAt.Sub(now))
+			} else {
+				timer.Reset(wakeAt.Sub(now))
+			}
+			tc = timer.C
+		}
+		select {
+		case <-wake:
+		case <-tc:
+		}
+	}
+}
+
+// Conn is the client end of a connection.
+type Conn struct {
+	link *Link
+	up   *stream // client to server
+	down *stream // server to client
+	once sync.Once
+}
+
+var errReset = &net.OpError{Op: "read", Net: "sim", Err: os.NewSyscallError("read", syscall.ECONNRESET)}
+
+// ErrReset reports whether err is a reset made by Link.Reset.
+func ErrReset(err error) bool { return errors.Is(err, syscall.ECONNRESET) }
+
+func (c *Conn) reset() {
+	c.up.close(errReset, true)
+	c.down.close(errReset, true)
+	c.forget()
+}
+
+func (c *Conn) forget() {
+	c.once.Do(func() {
+		c.link.mu.Lock()
+		delete(c.link.conns, c)
+		c.link.mu.Unlock()
+	})
+}
+
+// Read reads the server's replies, which arrive after the link's latency
+// and not while the link hangs.
+func (c *Conn) Read(b []byte) (int, error) { return c.down.read(b, c.link.isHung, true) }
+
+// Write sends b to the server. It never blocks.
+func (c *Conn) Write(b []byte) (int, error) {
+	c.up.mu.Lock()
+	dl := c.up.deadline
+	c.up.mu.Unlock()
+	if !dl.IsZero() && !time.Now().Before(dl) {
+		return 0, &net.OpError{Op: "write", Net: "sim", Err: os.ErrDeadlineExceeded}
+	}
+	return c.up.write(b, time.Now())
+}
+
+// Close closes the connection; the server reads what was written, then EOF.
+func (c *Conn) Close() error {
+	c.up.close(io.EOF, false)
+	c.down.close(net.ErrClosed, true)
+	c.forget()
+	return nil
+}
+
+// LocalAddr returns a placeholder address.
+func (c *Conn) LocalAddr() net.Addr { return addr("client") }
+
+// RemoteAddr returns a placeholder address.
+func (c *Conn) RemoteAddr() net.Addr { return addr("server") }
+
+// SetDeadline sets the read and write deadlines.
+func (c *Conn) SetDeadline(t time.Time) error {
+	c.down.setDeadline(t)
+	c.up.setDeadline(t)
+	return nil
+}
+
+// SetReadDeadline sets the read deadline.
+func (c *Conn) SetReadDeadline(t time.Time) error { c.down.setDeadline(t); return nil }
+
+// SetWriteDeadline sets the write deadline.
+func (c *Conn) SetWriteDeadline(t time.Time) error { c.up.setDeadline(t); return nil }
+
+// serverEnd is the server's end of a Conn.
+type serverEnd struct{ c *Conn }
+
+func (s *serverEnd) Read(b []byte) (int, error) {
+	return s.c.up.read(b, s.c.link.isHung, false)
+}
+
+func (s *serverEnd) Write(b []byte) (int, error) {
+	return s.c.down.write(b, time.Now().Add(s.c.link.delay()))
+}
+
+func (s *serverEnd) Close() error {
+	s.c.down.close(io.EOF, false)
+	s.c.up.close(net.ErrClosed, true)
+	s.c.forget()
+	return nil
+}
+
+func (s *serverEnd) LocalAddr() net.Addr              { return addr("server") }
+func (s *serverEnd) RemoteAddr() net.Addr             { return addr("client") }
+func (s *serverEnd) SetDeadline(time.Time) error      { return nil }
+func (s *serverEnd) SetReadDeadline(time.Time) error  { return nil }
+func (s *serverEnd) SetWriteDeadline(time.Time) error { return nil }
+
+type addr string
+
+func (a addr) Network() string { return "sim" }
+func (a addr) String() string  { return string(a) }

@@ -1,0 +1,149 @@
+package simredis
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"reflect"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/lua"
+	"github.com/hybridlimit/hybridlimit/remote"
+)
+
+// TestModelMatchesRedis runs random calls of lua/tokenbucket.lua on a real
+// redis-server and the same calls on the model, at the Redis TIME the real
+// script read, and wants the same reply, the same stored bytes and the
+// same TTL (to the slack of the real clock between the call and PTTL).
+// Values are planted now and then on both: a bucket written in the future
+// (a clock that went back), one under another P, one of a foreign shape.
+func TestModelMatchesRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client(t)
+	ctx := context.Background()
+	if err := c.ScriptLoad(ctx, lua.TokenBucket).Err(); err != nil {
+		t.Fatal(err)
+	}
+	m := New()
+	rng := rand.New(rand.NewPCG(1, 2))
+	var limits []remote.Limit
+	for _, l := range []struct {
+		rate  float64
+		burst int64
+	}{{1, 1}, {10, 10}, {100, 100}, {5.0 / 60, 5}, {1000.0 / 60, 1000}, {1.0 / 3, 7}, {1e6, 3}, {0.001, 1000}, {250, 17}} {
+		rl, err := remote.NewLimit(l.rate, l.burst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		limits = append(limits, rl)
+	}
+	keys := []string{"sim:a", "sim:b", "sim:c"}
+	for _, k := range keys {
+		c.Del(ctx, k)
+	}
+	for i := range 3000 {
+		key := keys[rng.IntN(len(keys))]
+		rl := limits[rng.IntN(len(limits))]
+		switch rng.IntN(20) {
+		case 0: // a bucket written 0-5 s in the future: TIME went back
+			us := time.Now().UnixMicro() + rng.Int64N(5e6)
+			raw := pack(float64(rng.Int64N(rl.Cap()+1)), float64(us), float64(rl.P))
+			plant(t, c, m, key, raw)
+		case 3: // an empty bucket stored in the future: a debt, or a clock that went back on one
+			us := time.Now().UnixMicro() + rng.Int64N(5e6)
+			plant(t, c, m, key, pack(0, float64(us), float64(rl.P)))
+		case 1: // a bucket under another limit
+			o := limits[rng.IntN(len(limits))]
+			raw := pack(float64(rng.Int64N(o.Cap()+1)), float64(time.Now().UnixMicro()-rng.Int64N(2e6)), float64(o.P))
+			plant(t, c, m, key, raw)
+		case 2: // a foreign value
+			plant(t, c, m, key, []byte("not a bucket "+strconv.Itoa(i)))
+		}
+		cost := rl.Units(rng.Int64N(rl.Burst+2) - 1)
+		argv := []any{rl.Q, rl.P, rl.Cap(), cost}
+		switch rng.IntN(8) {
+		case 0: // a charge, up to two bursts: into debt and past its floor
+			argv = append(argv, "charge")
+			argv[3] = rng.Int64N(2*rl.Cap() + 1)
+		case 1:
+			argv = append(argv, "lease", rl.P*rng.Int64N(rl.Burst+1))
+		case 2: // a large refund, in debt or not
+			argv[3] = -rng.Int64N(rl.Cap() + 1)
+		case 3: // a charge, then a denial under a larger burst at the same P: the TTL follows the limit
+			ch := []any{rl.Q, rl.P, rl.Cap(), rl.Cap(), "charge"}
+			call(t, c, m, i, key, ch)
+			big := remote.Limit{Q: rl.Q, P: rl.P, Burst: rl.Burst*4 + 1}
+			argv = []any{big.Q, big.P, big.Cap(), big.Cap()}
+		}
+		call(t, c, m, i, key, argv)
+	}
+}
+
+// call runs the bucket script with argv at key on the real server and on
+// the model, at the TIME the real script read, and fails unless the reply,
+// the stored bytes and the TTL are the same.
+func call(t *testing.T, c *redis.Client, m *Server, i int, key string, argv []any) {
+	t.Helper()
+	ctx := context.Background()
+	{
+		got, err := c.EvalSha(ctx, bucketSHA, []string{key}, argv...).Result()
+		if err != nil {
+			t.Fatalf("call %d: EVALSHA: %v", i, err)
+		}
+		realVals, ok := got.([]any)
+		if !ok || len(realVals) < 3 {
+			t.Fatalf("call %d: reply %v", i, got)
+		}
+		now, _ := realVals[2].(int64)
+		sargs := make([]string, len(argv))
+		for j, a := range argv {
+			switch a := a.(type) {
+			case int64:
+				sargs[j] = strconv.FormatInt(a, 10)
+			case string:
+				sargs[j] = a
+			}
+		}
+		at := time.UnixMicro(now)
+		want := m.bucket(at, key, sargs)
+		if !reflect.DeepEqual(want, got) {
+			t.Fatalf("call %d %s %v: model %v, redis %v", i, key, argv, want, got)
+		}
+		raw, err := c.Get(ctx, key).Bytes()
+		v := m.get(at, key)
+		if errors.Is(err, redis.Nil) && v == nil {
+			return // a denial on a missing key: nothing stored on either
+		}
+		if err != nil {
+			t.Fatalf("call %d: GET: %v", i, err)
+		}
+		if v == nil || !bytes.Equal(v.s, raw) {
+			t.Fatalf("call %d %s %v: model stored %v, redis %x", i, key, argv, v, raw)
+		}
+		pttl := c.PTTL(ctx, key).Val()
+		modelTTL := v.expire.Sub(at)
+		// The real TTL counts down from the script's run; the model's is
+		// taken at it: the real one is shorter by what has passed since.
+		if d := modelTTL - pttl; d < -5*time.Millisecond || d > 200*time.Millisecond {
+			t.Fatalf("call %d %s %v: model TTL %v, redis PTTL %v", i, key, argv, modelTTL, pttl)
+		}
+	}
+}
+
+// plant stores raw at key on the real server and in the model, with a TTL
+// that outlives the test.
+func plant(t *testing.T, c *redis.Client, m *Server, key string, raw []byte) {
+	t.Helper()
+	if err := c.Set(context.Background(), key, raw, time.Hour).Err(); err != nil {
+		t.Fatal(err)
+	}
+	m.mu.Lock()
+	m.data[key] = &value{s: raw, expire: time.Now().Add(time.Hour)}
+	m.mu.Unlock()
+}

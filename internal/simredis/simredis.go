@@ -1,0 +1,606 @@
+// Package simredis is the Redis of the simulator: an in-process server that
+// speaks RESP2 to go-redis and runs Go models of hybridlimit's two scripts
+// (lua/tokenbucket.lua and lua/fleet.lua) under their SHA1s, with EVALSHA,
+// EVAL, SCRIPT LOAD and FLUSH, NOSCRIPT, TIME, GET, DEL and PTTL.
+//
+// It exists because miniredis runs each script call in a fresh gopher-lua
+// state, about 0.5 ms under the race detector, which leaves too few calls
+// per seed for thousands of seeds a minute; the models run in microseconds.
+// TestModelMatchesRedis proves the bucket model equal to the Lua script on
+// a real redis-server: the same replies, the same stored bytes, the same TTL.
+//
+// Time is time.Now (virtual inside a testing/synctest bubble) plus a skew
+// that a test sets to model a failover to a host whose clock is behind.
+// TIME and key expiry both follow it, as they would on that host.
+package simredis
+
+import (
+	"bufio"
+	"crypto/sha1"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/hybridlimit/hybridlimit/lua"
+)
+
+// The scripts the server knows, by SHA1.
+var (
+	bucketSHA = sha(lua.TokenBucket)
+	fleetSHA  = sha(lua.Fleet)
+)
+
+func sha(src string) string {
+	h := sha1.Sum([]byte(src))
+	return hex.EncodeToString(h[:])
+}
+
+type value struct {
+	s      []byte   // a string
+	fields []string // a hash: field, value, field, value ... in insertion order
+	hash   bool
+	expire time.Time // zero: none; in the server's clock
+}
+
+// Server is an in-process Redis. Server is safe for concurrent use.
+type Server struct {
+	mu      sync.Mutex // protects every field below
+	data    map[string]*value
+	scripts map[string]bool
+	skew    time.Duration
+	calls   int // script calls run
+	closed  bool
+	conns   map[net.Conn]struct{}
+
+	wg sync.WaitGroup // one per served connection
+
+	// Hook, if not nil, is called with s's lock held after every call of
+	// the bucket script, with the tag of the connection it came on. Set it
+	// before serving; it must not call s.
+	Hook func(tag int, key string, argv []string, reply any)
+
+	// FleetHook, if not nil, is called like Hook after every call of the
+	// fleet script (a heartbeat).
+	FleetHook func(tag int)
+}
+
+// New returns an empty Server with an empty script cache.
+func New() *Server {
+	return &Server{data: map[string]*value{}, scripts: map[string]bool{}, conns: map[net.Conn]struct{}{}}
+}
+
+// Serve serves conn from a goroutine of its own until conn fails or Close;
+// tag names the client for Hook.
+func (s *Server) Serve(conn net.Conn, tag int) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		conn.Close()
+		return
+	}
+	s.conns[conn] = struct{}{}
+	s.wg.Add(1)
+	s.mu.Unlock()
+	go func() {
+		defer s.wg.Done()
+		defer func() {
+			s.mu.Lock()
+			delete(s.conns, conn)
+			s.mu.Unlock()
+			conn.Close()
+		}()
+		s.serve(conn, tag)
+	}()
+}
+
+// Close closes every connection and waits for their goroutines.
+func (s *Server) Close() {
+	s.mu.Lock()
+	s.closed = true
+	for c := range s.conns {
+		c.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+}
+
+// FlushAll drops every key, as a restart without persistence does.
+func (s *Server) FlushAll() {
+	s.mu.Lock()
+	s.data = map[string]*value{}
+	s.mu.Unlock()
+}
+
+// FlushScripts empties the script cache, as a restart or SCRIPT FLUSH does.
+func (s *Server) FlushScripts() {
+	s.mu.Lock()
+	s.scripts = map[string]bool{}
+	s.mu.Unlock()
+}
+
+// SetSkew sets the server's clock to time.Now() + d.
+func (s *Server) SetSkew(d time.Duration) {
+	s.mu.Lock()
+	s.skew = d
+	s.mu.Unlock()
+}
+
+// Calls returns how many script calls the server has run.
+func (s *Server) Calls() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.calls
+}
+
+// Bucket returns the level, time (µs) and P stored at key, and whether a
+// well-formed bucket is stored there.
+func (s *Server) Bucket(key string) (level, at, p int64, ok bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	v := s.get(s.now(), key)
+	if v == nil || v.hash {
+		return 0, 0, 0, false
+	}
+	_, l, t, lp, ok := unpack(v.s)
+	return int64(l), int64(t), int64(lp), ok
+}
+
+// Level returns the units key's bucket holds now, at the server's clock,
+// for a limit of q units a microsecond, p units a token and capacity cap:
+// what the script would refill it to before a decision. A missing or
+// foreign value is a full bucket; a bucket in debt is negative.
+func (s *Server) Level(key string, q, p, capacity int64) int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	v := s.get(now, key)
+	if v == nil || v.hash {
+		return capacity
+	}
+	_, l, t, lp, ok := unpack(v.s)
+	if !ok || lp <= 0 {
+		return capacity
+	}
+	level := l
+	if lp != float64(p) {
+		level = math.Floor(level * float64(p) / lp)
+	}
+	if us := float64(now.UnixMicro()); us >= t {
+		level += (us - t) * float64(q)
+	} else if level == 0 {
+		level = -(t - us) * float64(q) // a debt
+	}
+	return int64(math.Max(math.Min(level, float64(capacity)), -float64(capacity)))
+}
+
+// now requires that s.mu is held.
+func (s *Server) now() time.Time { return time.Now().Add(s.skew) }
+
+// get returns key's live value, dropping it if expired.
+// get requires that s.mu is held.
+func (s *Server) get(now time.Time, key string) *value {
+	v := s.data[key]
+	if v != nil && !v.expire.IsZero() && now.After(v.expire) {
+		delete(s.data, key)
+		return nil
+	}
+	return v
+}
+
+func (s *Server) serve(conn net.Conn, tag int) {
+	r := bufio.NewReader(conn)
+	w := bufio.NewWriter(conn)
+	for {
+		args, err := readCommand(r)
+		if err != nil {
+			if !errors.Is(err, io.EOF) {
+				_ = err // a reset or a close: the connection is gone
+			}
+			return
+		}
+		s.do(w, args, tag)
+		if r.Buffered() == 0 {
+			if w.Flush() != nil {
+				return
+			}
+		}
+	}
+}
+
+// readCommand reads one RESP array of bulk strings (what go-redis sends).
+func readCommand(r *bufio.Reader) ([]string, error) {
+	line, err := readLine(r)
+	if err != nil {
+		return nil, err
+	}
+	if len(line) < 2 || line[0] != '*' {
+		return nil, fmt.Errorf("simredis: want an array, got %q", line)
+	}
+	n, err := strconv.Atoi(line[1:])
+	if err != nil || n < 1 {
+		return nil, fmt.Errorf("simredis: bad array length %q", line)
+	}
+	args := make([]string, n)
+	for i := range args {
+		line, err := readLine(r)
+		if err != nil {
+			return nil, err
+		}
+		if len(line) < 2 || line[0] != '$' {
+			return nil, fmt.Errorf("simredis: want a bulk string, got %q", line)
+		}
+		size, err := strconv.Atoi(line[1:])
+		if err != nil || size < 0 {
+			return nil, fmt.Errorf("simredis: bad bulk length %q", line)
+		}
+		buf := make([]byte, size+2)
+		if _, err := io.ReadFull(r, buf); err != nil {
+			return nil, err
+		}
+		args[i] = string(buf[:size])
+	}
+	return args, nil
+}
+
+func readLine(r *bufio.Reader) (string, error) {
+	line, err := r.ReadString('\n')
+	if err != nil {
+		return "", err
+	}
+	return strings.TrimSuffix(line, "\r\n"), nil
+}
+
+// Replies.
+type (
+	status string
+	rerror string
+)
+
+func write(w *bufio.Writer, v any) {
+	switch v := v.(type) {
+	case nil:
+		w.WriteString("$-1\r\n")
+	case status:
+		w.WriteString("+" + string(v) + "\r\n")
+	case rerror:
+		w.WriteString("-" + string(v) + "\r\n")
+	case int64:
+		w.WriteString(":" + strconv.FormatInt(v, 10) + "\r\n")
+	case string:
+		w.WriteString("$" + strconv.Itoa(len(v)) + "\r\n" + v + "\r\n")
+	case []any:
+		w.WriteString("*" + strconv.Itoa(len(v)) + "\r\n")
+		for _, x := range v {
+			write(w, x)
+		}
+	default:
+		panic(fmt.Sprintf("simredis: reply %T", v))
+	}
+}
+
+func (s *Server) do(w *bufio.Writer, args []string, tag int) {
+	s.mu.Lock()
+	reply := s.command(args, tag)
+	s.mu.Unlock()
+	write(w, reply)
+}
+
+// command runs one command. command requires that s.mu is held.
+func (s *Server) command(args []string, tag int) any {
+	now := s.now()
+	switch strings.ToUpper(args[0]) {
+	case "PING":
+		return status("PONG")
+	case "CLIENT", "SELECT", "READONLY":
+		return status("OK")
+	case "TIME":
+		us := now.UnixMicro()
+		return []any{strconv.FormatInt(us/1e6, 10), strconv.FormatInt(us%1e6, 10)}
+	case "GET":
+		if len(args) != 2 {
+			return rerror("ERR wrong number of arguments for 'get' command")
+		}
+		v := s.get(now, args[1])
+		if v == nil {
+			return nil
+		}
+		if v.hash {
+			return rerror("WRONGTYPE Operation against a key holding the wrong kind of value")
+		}
+		return string(v.s)
+	case "DEL":
+		var n int64
+		for _, k := range args[1:] {
+			if s.get(now, k) != nil {
+				delete(s.data, k)
+				n++
+			}
+		}
+		return n
+	case "PTTL":
+		if len(args) != 2 {
+			return rerror("ERR wrong number of arguments for 'pttl' command")
+		}
+		v := s.get(now, args[1])
+		switch {
+		case v == nil:
+			return int64(-2)
+		case v.expire.IsZero():
+			return int64(-1)
+		}
+		return v.expire.Sub(now).Milliseconds()
+	case "SCRIPT":
+		if len(args) < 2 {
+			return rerror("ERR wrong number of arguments for 'script' command")
+		}
+		switch strings.ToUpper(args[1]) {
+		case "LOAD":
+			if len(args) != 3 {
+				return rerror("ERR wrong number of arguments for 'script|load' command")
+			}
+			h := sha(args[2])
+			if h != bucketSHA && h != fleetSHA {
+				return rerror("ERR simredis runs only hybridlimit's scripts")
+			}
+			s.scripts[h] = true
+			return h
+		case "FLUSH":
+			s.scripts = map[string]bool{}
+			return status("OK")
+		}
+		return rerror("ERR unknown SCRIPT subcommand")
+	case "EVAL", "EVALSHA":
+		if len(args) < 3 {
+			return rerror("ERR wrong number of arguments for 'eval' command")
+		}
+		h := strings.ToLower(args[1])
+		if strings.ToUpper(args[0]) == "EVAL" {
+			h = sha(args[1])
+			if h != bucketSHA && h != fleetSHA {
+				return rerror("ERR simredis runs only hybridlimit's scripts")
+			}
+			s.scripts[h] = true
+		} else if !s.scripts[h] {
+			return rerror("NOSCRIPT No matching script. Please use EVAL.")
+		}
+		nk, err := strconv.Atoi(args[2])
+		if err != nil || nk != 1 || len(args) < 4 {
+			return rerror("ERR the models take exactly one key")
+		}
+		s.calls++
+		if h == bucketSHA {
+			reply := s.bucket(now, args[3], args[4:])
+			if s.Hook != nil {
+				s.Hook(tag, args[3], args[4:], reply)
+			}
+			return reply
+		}
+		reply := s.fleet(now, args[3], args[4:])
+		if s.FleetHook != nil {
+			s.FleetHook(tag)
+		}
+		return reply
+	}
+	return rerror(fmt.Sprintf("ERR unknown command '%s', with args beginning with: ", args[0]))
+}
+
+// number is Lua's tonumber on a string: nil (ok false) when it is not one.
+func number(s string) (float64, bool) {
+	f, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
+	return f, err == nil
+}
+
+// bucket is lua/tokenbucket.lua. Numbers are float64, as Lua's are, so
+// that rounding happens where the script's does.
+// bucket requires that s.mu is held.
+func (s *Server) bucket(at time.Time, key string, argv []string) any {
+	if len(argv) < 4 {
+		return rerror("ERR Error running script: ARGV missing")
+	}
+	q, ok1 := number(argv[0])
+	p, ok2 := number(argv[1])
+	capacity, ok3 := number(argv[2])
+	cost, ok4 := number(argv[3])
+	if !ok1 || !ok2 || !ok3 || !ok4 {
+		return rerror("ERR Error running script: attempt to perform arithmetic on a nil value")
+	}
+	us := at.UnixMicro()
+	now := float64(us/1e6)*1e6 + float64(us%1e6)
+
+	level := capacity
+	last := now // the time stored with the level
+	flags := 0.0
+	dirty := false
+	v := s.get(at, key)
+	if v != nil {
+		var l, st, lp float64
+		good := false
+		if !v.hash {
+			_, l, st, lp, good = unpack(v.s)
+		}
+		if good && lp > 0 {
+			level = l
+			if lp != p {
+				level = math.Floor(level * p / lp)
+				dirty = true
+			}
+			if now >= st {
+				level = level + (now-st)*q
+			} else {
+				last = st
+				if level == 0 {
+					level = -(st - now) * q
+				}
+			}
+			if level > capacity {
+				level = capacity
+			} else if level < -capacity {
+				level = -capacity
+			}
+		} else {
+			flags = 2
+			dirty = true
+			if v.hash {
+				delete(s.data, key)
+			}
+		}
+	}
+	mode := ""
+	if len(argv) > 4 {
+		mode = argv[4]
+	}
+	leased := 0.0
+	if mode == "charge" {
+		flags++
+		level -= cost
+		if level < -capacity {
+			level = -capacity
+		}
+		dirty = true
+	} else if cost < 0 || cost <= level {
+		// A refund (a negative cost) is always taken, in debt too.
+		flags++
+		level -= cost
+		if level > capacity {
+			level = capacity
+		}
+		if mode == "lease" {
+			extra := 0.0
+			if len(argv) > 5 {
+				extra, _ = number(argv[5])
+			}
+			leased = math.Min(extra, level-luaMod(level, p))
+			level -= leased
+		}
+		dirty = true
+	}
+	// Expire one second after the bucket would be full again.
+	px := math.Ceil((capacity-level)/q/1000) + 1000
+	expire := at.Add(time.Duration(px) * time.Millisecond)
+	if dirty {
+		stored := level
+		if level < 0 {
+			stored = 0
+			last = now + math.Ceil(-level/q)
+		}
+		s.data[key] = &value{s: pack(stored, last, p), expire: expire}
+	} else if v != nil && !v.hash {
+		// A denial writes nothing but sets the TTL for the current limit.
+		v.expire = expire
+	}
+	if mode == "lease" {
+		return []any{int64(flags), int64(level), int64(now), int64(leased)}
+	}
+	return []any{int64(flags), int64(level), int64(now)}
+}
+
+// luaMod is Lua's a % b: a - floor(a/b)*b.
+func luaMod(a, b float64) float64 { return a - math.Floor(a/b)*b }
+
+// pack is struct.pack('>BI7I7I7', 1, level, now, p).
+func pack(level, now, p float64) []byte {
+	out := make([]byte, 22)
+	out[0] = 1
+	put7(out[1:8], uint64(level))
+	put7(out[8:15], uint64(now))
+	put7(out[15:22], uint64(p))
+	return out
+}
+
+func put7(b []byte, v uint64) {
+	for i := 6; i >= 0; i-- {
+		b[i] = byte(v)
+		v >>= 8
+	}
+}
+
+func get7(b []byte) float64 {
+	var v uint64
+	for _, c := range b[:7] {
+		v = v<<8 | uint64(c)
+	}
+	return float64(v)
+}
+
+// unpack reads a value that pack wrote; ok is false for any other shape.
+func unpack(raw []byte) (format byte, level, at, p float64, ok bool) {
+	if len(raw) != 22 || raw[0] != 1 {
+		return 0, 0, 0, 0, false
+	}
+	return 1, get7(raw[1:8]), get7(raw[8:15]), get7(raw[15:22]), true
+}
+
+// fleet is lua/fleet.lua. fleet requires that s.mu is held.
+func (s *Server) fleet(at time.Time, key string, argv []string) any {
+	if len(argv) < 4 {
+		return rerror("ERR Error running script: ARGV missing")
+	}
+	id, report := argv[0], argv[1]
+	ttl, ok1 := number(argv[2])
+	most, ok2 := number(argv[3])
+	if !ok1 || !ok2 {
+		return rerror("ERR Error running script: attempt to perform arithmetic on a nil value")
+	}
+	us := at.UnixMicro()
+	now := float64(us/1e6)*1000 + math.Floor(float64(us%1e6)/1000)
+
+	v := s.get(at, key)
+	if v == nil {
+		v = &value{hash: true}
+		s.data[key] = v
+	} else if !v.hash {
+		return rerror("WRONGTYPE Operation against a key holding the wrong kind of value")
+	}
+	field := report + " " + strconv.FormatFloat(now+ttl, 'f', 0, 64)
+	set := false
+	for i := 0; i < len(v.fields); i += 2 {
+		if v.fields[i] == id {
+			v.fields[i+1] = field
+			set = true
+		}
+	}
+	if !set {
+		v.fields = append(v.fields, id, field)
+	}
+	var live []any
+	kept := v.fields[:0:0]
+	for i := 0; i < len(v.fields); i += 2 {
+		f, val := v.fields[i], v.fields[i+1]
+		r, exp, ok := strings.Cut(val, " ")
+		expired := true
+		if ok && r != "" && !strings.ContainsAny(r, " \t\r\n") && digits(exp) {
+			e, _ := strconv.ParseFloat(exp, 64)
+			expired = e < now
+		}
+		if expired || (float64(len(live)) >= 2*most && f != id) {
+			continue
+		}
+		kept = append(kept, f, val)
+		live = append(live, f, r)
+	}
+	v.fields = kept
+	v.expire = at.Add(time.Duration(ttl) * time.Millisecond)
+	if live == nil {
+		live = []any{}
+	}
+	return live
+}
+
+func digits(s string) bool {
+	if s == "" {
+		return false
+	}
+	for _, c := range s {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,1407 @@
+//go:build simulation
+
+package hybridlimit
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"net"
+	"runtime"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/hybridlimit/hybridlimit/internal/simnet"
+	"github.com/hybridlimit/hybridlimit/internal/simredis"
+	"github.com/hybridlimit/hybridlimit/remote"
+)
+
+// The simulator runs a fleet of real Limiters, each with its own go-redis
+// client, against simredis over simnet, inside a testing/synctest bubble:
+// timers, time-outs, the breakers' open periods and the heartbeats run at
+// virtual time, so seconds of outage cost milliseconds. A seed draws the
+// fleet, the traffic, the limits and the faults (genSchedule); the run
+// records every decision and checks the invariants of docs/design.md,
+// "Invariants the simulator checks", each under its own name.
+var (
+	simSeeds = flag.Int("sim.seeds", 300, "simulator: seeds to run (from -sim.first); 2000 is the long run")
+	simFirst = flag.Uint64("sim.first", 1, "simulator: first seed")
+	simSeed  = flag.Int64("sim.seed", -1, "simulator: replay this one seed, shrink it, print its schedule and decisions")
+)
+
+// Invariant names, in the order the summary prints them.
+var invariants = []string{
+	"window-limit", "outage-floor", "redis-error", "short-deadline-failover", "latency",
+	"retry-after", "waitn-spin", "recovery", "exact-healthy", "stale-denial",
+	"remote-while-down", "reconcile-overcharge", "goroutine-leak",
+}
+
+// event is one step of a schedule, At after the start.
+type event struct {
+	At   time.Duration
+	Kind string        // hang, kill, latency, flap, reset, scriptflush, clockback, setlimit, join, leave
+	Who  []int         // instance slots; nil: every instance, those joining during it too
+	For  time.Duration // how long a hang, kill, latency or flap lasts; the jump of clockback
+	Lat  time.Duration // latency's delay
+	L    Limit         // setlimit's limit
+}
+
+func (e event) String() string {
+	who := "all"
+	if e.Who != nil {
+		who = fmt.Sprint(e.Who)
+	}
+	switch e.Kind {
+	case "setlimit":
+		return fmt.Sprintf("%v setlimit %v", e.At, e.L)
+	case "join", "leave":
+		return fmt.Sprintf("%v %s %s", e.At, e.Kind, who)
+	case "latency":
+		return fmt.Sprintf("%v latency %v on %s for %v", e.At, e.Lat, who, e.For)
+	case "reset", "scriptflush":
+		return fmt.Sprintf("%v %s %s", e.At, e.Kind, who)
+	}
+	return fmt.Sprintf("%v %s %s for %v", e.At, e.Kind, who, e.For)
+}
+
+// schedule is everything a seed decides.
+type schedule struct {
+	Seed      uint64
+	Instances int // at the start; joins add slots
+	Slots     int // instances ever
+	CfgInst   int // Config.Instances
+	Policy    FailurePolicy
+	Limit     Limit
+	Timeout   time.Duration
+	Probes    int
+	Keys      int
+	Shape     string  // even, 80/15/5, sticky
+	Offered   float64 // requests per second, fleet-wide
+	Deadline  string  // none, short, long
+	MaxN      int64   // largest n asked for
+	Waiters   int     // WaitN workers on instance 0
+	Refunds   float64 // part of admitted decisions refunded
+	Duration  time.Duration
+	Events    []event
+}
+
+func (s schedule) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "seed %d: %d instances (%d slots, Config.Instances %d), %v, limit %v, Timeout %v, Probes %d,\n",
+		s.Seed, s.Instances, s.Slots, s.CfgInst, s.Policy, s.Limit, s.Timeout, s.Probes)
+	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, %v\n",
+		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.Duration)
+	for _, e := range s.Events {
+		fmt.Fprintf(&b, "  %v\n", e)
+	}
+	return b.String()
+}
+
+// healthy reports whether s has no faults, no limit changes, no fleet
+// changes and no refunds: the exact-count check applies.
+func (s schedule) healthy() bool { return len(s.Events) == 0 && s.Refunds == 0 && s.MaxN == 1 }
+
+// features names what s has that a defect may need, for the summary's
+// breakdown of failing seeds.
+func (s schedule) features() []string {
+	var f []string
+	if s.Probes >= 2 {
+		f = append(f, "probes>=2")
+	}
+	if s.Deadline == "short" {
+		f = append(f, "short-deadlines")
+	}
+	if s.Waiters > 0 {
+		f = append(f, "waitn")
+	}
+	if s.Limit.Burst < int64(s.Slots) || s.CfgInst < s.Slots {
+		f = append(f, "burst<fleet-or-Instances<fleet")
+	}
+	if s.Refunds > 0 {
+		f = append(f, "refunds")
+	}
+	kinds := map[string]bool{}
+	for _, e := range s.Events {
+		kinds[e.Kind] = true
+	}
+	for _, k := range []string{"setlimit", "clockback", "kill", "hang", "flap", "latency", "join", "leave", "reset", "scriptflush"} {
+		if kinds[k] {
+			f = append(f, k)
+		}
+	}
+	return f
+}
+
+// genSchedule draws a schedule from seed. Most fleets are small, for speed.
+func genSchedule(seed uint64) schedule {
+	r := rand.New(rand.NewPCG(seed, 0x5eed))
+	pick := func(xs ...int) int { return xs[r.IntN(len(xs))] }
+	dur := func(lo, hi time.Duration) time.Duration {
+		return lo + time.Duration(r.Int64N(int64(hi-lo)/int64(time.Millisecond)+1))*time.Millisecond
+	}
+	s := schedule{Seed: seed, Duration: dur(2500*time.Millisecond, 4500*time.Millisecond)}
+	switch x := r.IntN(20); {
+	case x < 12:
+		s.Instances = 1 + r.IntN(3)
+	case x < 18:
+		s.Instances = 4 + r.IntN(7)
+	default:
+		s.Instances = 11 + r.IntN(40)
+	}
+	s.Slots = s.Instances
+	switch r.IntN(3) {
+	case 0:
+		s.CfgInst = 0 // the default, 1
+	case 1:
+		s.CfgInst = s.Instances
+	default:
+		s.CfgInst = max(1, s.Instances+r.IntN(5)-2)
+	}
+	s.Policy = FailLocal
+	if r.IntN(10) == 0 {
+		s.Policy = FailurePolicy(1 + r.IntN(2))
+	}
+	switch r.IntN(6) {
+	case 0:
+		s.Limit = PerMinute(int64(pick(5, 10, 60, 100, 1000)))
+	case 1:
+		s.Limit = Limit{Rate: float64(pick(1, 2, 5)) / 3, Burst: int64(pick(1, 3, 7))}
+	default:
+		n := int64(pick(10, 20, 50, 100, 200))
+		s.Limit = Limit{Rate: float64(n), Burst: int64(float64(n) * []float64{0.1, 0.5, 1, 2}[r.IntN(4)])}
+		s.Limit.Burst = max(s.Limit.Burst, 1)
+	}
+	s.Timeout = time.Duration(pick(20, 50, 50, 100)) * time.Millisecond
+	s.Probes = pick(1, 1, 2, 3)
+	s.Keys = pick(1, 1, 2, 3, 5)
+	s.Shape = []string{"even", "80/15/5", "sticky"}[r.IntN(3)]
+	// Offered: from under the limit to several times it, capped for speed.
+	s.Offered = math.Min(200, math.Max(5, s.Limit.Rate*float64(s.Keys)*[]float64{0.5, 1.5, 3, 6}[r.IntN(4)]))
+	s.Deadline = []string{"none", "none", "short", "long"}[r.IntN(4)]
+	s.MaxN = 1
+	if r.IntN(3) == 0 {
+		s.MaxN = min(s.Limit.Burst, int64(pick(2, 3, 5)))
+	}
+	if r.IntN(4) == 0 {
+		s.Waiters = 1 + r.IntN(3)
+	}
+	if r.IntN(5) == 0 {
+		s.Refunds = 0.1
+	}
+	if r.IntN(5) == 0 {
+		return s // healthy: exact counts
+	}
+	nev := 1 + r.IntN(4)
+	for range nev {
+		e := event{At: dur(300*time.Millisecond, s.Duration-time.Second)}
+		who := func() []int {
+			if r.IntN(2) == 0 || s.Slots == 1 {
+				return nil
+			}
+			var w []int
+			for i := range s.Slots {
+				if r.IntN(2) == 0 {
+					w = append(w, i)
+				}
+			}
+			if len(w) == 0 {
+				w = []int{r.IntN(s.Slots)}
+			}
+			return w
+		}
+		switch x := r.IntN(100); {
+		case x < 25:
+			e.Kind, e.Who, e.For = "hang", who(), dur(200*time.Millisecond, 2500*time.Millisecond)
+		case x < 40:
+			e.Kind, e.For = "kill", dur(200*time.Millisecond, 2500*time.Millisecond)
+		case x < 50:
+			e.Kind, e.Who, e.For = "latency", who(), dur(300*time.Millisecond, 2*time.Second)
+			e.Lat = time.Duration(float64(s.Timeout) * []float64{0.3, 0.9, 1.1, 3}[r.IntN(4)])
+		case x < 60:
+			e.Kind, e.Who, e.For = "flap", who(), dur(500*time.Millisecond, 2500*time.Millisecond)
+		case x < 67:
+			e.Kind, e.Who = "reset", who()
+		case x < 72:
+			e.Kind = "scriptflush"
+		case x < 79:
+			e.Kind, e.For = "clockback", dur(100*time.Millisecond, 3*time.Second)
+		case x < 88:
+			e.Kind = "setlimit"
+			e.L = s.Limit
+			switch r.IntN(3) {
+			case 0:
+				e.L.Burst = e.L.Burst * int64(pick(2, 5, 10))
+			case 1:
+				e.L.Rate = e.L.Rate * []float64{0.5, 2}[r.IntN(2)]
+			default:
+				e.L.Burst = max(1, e.L.Burst/2)
+			}
+			s.MaxN = min(s.MaxN, e.L.Burst)
+		case x < 95:
+			// Joiners, often during an outage.
+			e.Kind = "join"
+			k := 1 + r.IntN(3)
+			for range k {
+				e.Who = append(e.Who, s.Slots)
+				s.Slots++
+			}
+			if r.IntN(2) == 0 {
+				s.Events = append(s.Events, event{At: e.At - 100*time.Millisecond, Kind: "hang", For: dur(time.Second, 2500*time.Millisecond)})
+			}
+		default:
+			if s.Slots > 1 {
+				e.Kind, e.Who = "leave", []int{r.IntN(s.Slots)}
+			} else {
+				e.Kind = "reset"
+			}
+		}
+		s.Events = append(s.Events, e)
+	}
+	sort.SliceStable(s.Events, func(i, j int) bool { return s.Events[i].At < s.Events[j].At })
+	return s
+}
+
+// record is one call as the simulator saw it.
+type record struct {
+	inst       int
+	key        string
+	n          int64
+	start, end time.Duration // since the run's start
+	deadline   time.Duration // caller's deadline from start; 0: none
+	wait       bool          // a WaitN that returned nil (admitted) or an error
+	allowed    bool
+	refunded   bool
+	mode       Mode
+	cached     bool // Decision.Cached: a denial from what Redis said less than a second ago
+	retry      time.Duration
+	err        error
+	weight     float64 // the instance's share, for local admissions
+	staleDeny  bool    // a remote denial that Redis's bucket would not give
+}
+
+// charge is a charge-mode script call the server ran.
+type charge struct {
+	inst  int
+	key   string
+	units int64
+	at    time.Duration
+}
+
+// interval is [from, to) of virtual time since the start.
+type interval struct{ from, to time.Duration }
+
+// simRun is one simulation.
+type simRun struct {
+	s       schedule
+	t0      time.Time
+	srv     *simredis.Server
+	links   []*simnet.Link
+	mu      sync.Mutex // protects recs, charges, spins, heard
+	recs    []record
+	charges []charge
+	spins   []string
+	heard   map[int]time.Duration // slot: when its first heartbeat ran in Redis
+	// fault intervals per slot, filled from the schedule before the run
+	cut     [][]interval // hang or kill: no answer can come
+	killed  []interval   // kill intervals (all slots)
+	disturb [][]interval // cut, latency, flap: time-outs possible
+	alive   []interval   // per slot: from join to leave
+	limits  []struct {
+		at time.Duration
+		l  Limit
+	}
+}
+
+func (r *simRun) since() time.Duration { return time.Since(r.t0) }
+
+// plan fills the fault intervals from the schedule.
+func (r *simRun) plan() {
+	s := r.s
+	r.cut = make([][]interval, s.Slots)
+	r.disturb = make([][]interval, s.Slots)
+	r.alive = make([]interval, s.Slots)
+	for i := range s.Slots {
+		r.alive[i] = interval{0, s.Duration}
+		if i >= s.Instances {
+			r.alive[i].from = -1
+		}
+	}
+	r.limits = append(r.limits, struct {
+		at time.Duration
+		l  Limit
+	}{0, s.Limit})
+	for _, e := range s.Events {
+		targets := e.Who
+		if targets == nil {
+			for i := range s.Slots {
+				targets = append(targets, i)
+			}
+		}
+		iv := interval{e.At, e.At + e.For}
+		switch e.Kind {
+		case "hang", "kill":
+			for _, i := range targets {
+				r.cut[i] = append(r.cut[i], iv)
+				r.disturb[i] = append(r.disturb[i], iv)
+			}
+			if e.Kind == "kill" {
+				r.killed = append(r.killed, iv)
+			}
+		case "latency", "flap":
+			if e.Kind == "latency" && e.Lat < r.s.Timeout/2 {
+				continue
+			}
+			for _, i := range targets {
+				r.disturb[i] = append(r.disturb[i], iv)
+			}
+		case "reset":
+			for _, i := range targets {
+				r.disturb[i] = append(r.disturb[i], interval{e.At, e.At + time.Millisecond})
+			}
+		case "join":
+			for _, i := range e.Who {
+				r.alive[i].from = e.At
+			}
+		case "leave":
+			for _, i := range e.Who {
+				if r.alive[i].from >= 0 && e.At < r.alive[i].to {
+					r.alive[i].to = e.At
+				}
+			}
+		case "setlimit":
+			r.limits = append(r.limits, struct {
+				at time.Duration
+				l  Limit
+			}{e.At, e.L})
+		}
+	}
+}
+
+// simObserver counts an instance's decisions at one virtual instant: a
+// WaitN that spins makes thousands without time moving, and would hang
+// the bubble; the observer records it and stops the waiters.
+type simObserver struct {
+	r     *simRun
+	inst  int
+	stop  context.CancelFunc
+	mu    sync.Mutex
+	at    time.Time
+	count int
+	fired bool
+}
+
+func (o *simObserver) ObserveDecision(DecisionEvent) {
+	o.mu.Lock()
+	now := time.Now()
+	if !now.Equal(o.at) {
+		o.at, o.count = now, 0
+	}
+	o.count++
+	fire := o.count == 5000 && !o.fired
+	if fire {
+		o.fired = true
+	}
+	o.mu.Unlock()
+	if fire {
+		o.r.mu.Lock()
+		o.r.spins = append(o.r.spins, fmt.Sprintf("instance %d made 5000 decisions at %v without time moving", o.inst, o.r.since()))
+		o.r.mu.Unlock()
+		o.stop()
+	}
+}
+
+func (o *simObserver) ObserveBreaker(BreakerEvent) {}
+
+// instance is one Limiter of the fleet and its client.
+type instance struct {
+	lim    *Limiter
+	client *redis.Client
+	stop   context.CancelFunc // ends its traffic and waiters
+	wg     sync.WaitGroup     // its traffic goroutines
+	closed atomic.Bool
+}
+
+// simulate runs s inside a bubble of t and returns the violations found,
+// by invariant, and the calls it recorded.
+func simulate(t *testing.T, s schedule) (map[string][]string, []record) {
+	v := map[string][]string{}
+	r := &simRun{s: s}
+	// remote's sync.Pool of calls holds channels, and a channel made in
+	// one bubble is fatal to use in another: empty the pool (a GC moves
+	// it to the victim cache, a second drops it), and run one bubble at
+	// a time.
+	runtime.GC()
+	runtime.GC()
+	func() {
+		defer func() {
+			if p := recover(); p != nil {
+				msg := fmt.Sprint(p)
+				if !strings.Contains(msg, "deadlock") {
+					panic(p)
+				}
+				v["goroutine-leak"] = append(v["goroutine-leak"], msg)
+			}
+		}()
+		synctest.Test(t, func(*testing.T) {
+			r.run()
+			if *simSeed >= 0 {
+				// Replaying: name the goroutines left, if any.
+				synctest.Wait()
+				buf := make([]byte, 1<<20)
+				buf = buf[:runtime.Stack(buf, true)]
+				for _, g := range strings.Split(string(buf), "\n\n") {
+					if strings.Contains(g, "synctest bubble") && !strings.Contains(g, "[running") &&
+						!strings.Contains(g, "synctest.Run") && !strings.Contains(g, "testingSynctestTest") {
+						v["goroutine-leak"] = append(v["goroutine-leak"], g)
+					}
+				}
+			}
+		})
+	}()
+	r.check(v)
+	return v, r.recs
+}
+
+func (r *simRun) limitAt(at time.Duration) Limit {
+	l := r.limits[0].l
+	for _, x := range r.limits {
+		if x.at <= at {
+			l = x.l
+		}
+	}
+	return l
+}
+
+func (r *simRun) run() {
+	s := r.s
+	r.t0 = time.Now()
+	r.plan()
+	r.srv = simredis.New()
+	r.srv.Hook = func(tag int, key string, argv []string, _ any) {
+		if len(argv) > 4 && argv[4] == "charge" {
+			var units int64
+			fmt.Sscan(argv[3], &units)
+			if units > 0 {
+				r.mu.Lock()
+				r.charges = append(r.charges, charge{tag, strings.TrimPrefix(key, DefaultPrefix), units, r.since()})
+				r.mu.Unlock()
+			}
+		}
+	}
+	r.heard = map[int]time.Duration{}
+	r.srv.FleetHook = func(tag int) {
+		r.mu.Lock()
+		if _, ok := r.heard[tag]; !ok {
+			r.heard[tag] = r.since()
+		}
+		r.mu.Unlock()
+	}
+	r.links = make([]*simnet.Link, s.Slots)
+	for i := range r.links {
+		r.links[i] = simnet.NewLink()
+	}
+	insts := make([]*instance, s.Slots)
+	var fmu sync.Mutex // protects the fault counts
+	hung := make([]int, s.Slots)
+	refused := make([]int, s.Slots)
+	allHung, allKilled := 0, 0
+	setHang := func(i, d int) {
+		hung[i] += d
+		if hung[i] > 0 {
+			r.links[i].Hang()
+		} else {
+			r.links[i].Resume()
+		}
+	}
+	setRefuse := func(i, d int) {
+		refused[i] += d
+		r.links[i].Refuse(refused[i] > 0)
+		if d > 0 {
+			r.links[i].Reset()
+		}
+	}
+	var bg sync.WaitGroup // the schedule's own goroutines
+	ctx, cancelAll := context.WithCancel(context.Background())
+
+	start := func(i int) {
+		fmu.Lock()
+		if allHung > 0 {
+			setHang(i, allHung)
+		}
+		if allKilled > 0 {
+			setRefuse(i, allKilled)
+		}
+		fmu.Unlock()
+		link := r.links[i]
+		client := redis.NewClient(&redis.Options{
+			Addr: "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
+			Dialer: func(context.Context, string, string) (net.Conn, error) {
+				return link.Dial(func(c net.Conn) { r.srv.Serve(c, i) })
+			},
+		})
+		ictx, stop := context.WithCancel(ctx)
+		obs := &simObserver{r: r, inst: i, stop: stop}
+		lim, err := New(Config{
+			Redis: client, Limit: r.limitAt(r.since()), Instances: s.CfgInst, Timeout: s.Timeout,
+			OnFailure: s.Policy, Breaker: BreakerConfig{Probes: s.Probes}, Observer: obs,
+		})
+		if err != nil {
+			panic(err)
+		}
+		in := &instance{lim: lim, client: client, stop: stop}
+		insts[i] = in
+		in.wg.Add(1)
+		go func() {
+			defer in.wg.Done()
+			r.traffic(ictx, i, in)
+		}()
+		if i == 0 {
+			for w := range s.Waiters {
+				in.wg.Add(1)
+				go func() {
+					defer in.wg.Done()
+					r.waiter(ictx, i, w, in)
+				}()
+			}
+		}
+	}
+	for i := range s.Instances {
+		start(i)
+	}
+	for _, e := range s.Events {
+		if d := e.At - r.since(); d > 0 {
+			time.Sleep(d)
+		}
+		targets := e.Who
+		if targets == nil {
+			for i := range s.Slots {
+				targets = append(targets, i)
+			}
+		}
+		later := func(d time.Duration, f func()) {
+			bg.Add(1)
+			go func() {
+				defer bg.Done()
+				time.Sleep(d)
+				f()
+			}()
+		}
+		switch e.Kind {
+		case "hang":
+			fmu.Lock()
+			if e.Who == nil {
+				allHung++
+			}
+			for _, i := range targets {
+				setHang(i, 1)
+			}
+			fmu.Unlock()
+			later(e.For, func() {
+				fmu.Lock()
+				if e.Who == nil {
+					allHung--
+				}
+				for _, i := range targets {
+					setHang(i, -1)
+				}
+				fmu.Unlock()
+			})
+		case "kill":
+			fmu.Lock()
+			allKilled++
+			for _, i := range targets {
+				setRefuse(i, 1)
+			}
+			fmu.Unlock()
+			later(e.For, func() {
+				r.srv.FlushAll()
+				r.srv.FlushScripts()
+				fmu.Lock()
+				allKilled--
+				for _, i := range targets {
+					setRefuse(i, -1)
+				}
+				fmu.Unlock()
+			})
+		case "latency":
+			for _, i := range targets {
+				r.links[i].SetLatency(e.Lat)
+			}
+			later(e.For, func() {
+				for _, i := range targets {
+					r.links[i].SetLatency(0)
+				}
+			})
+		case "flap":
+			bg.Add(1)
+			go func() {
+				defer bg.Done()
+				rng := rand.New(rand.NewPCG(s.Seed, uint64(e.At)))
+				end := r.since() + e.For
+				for r.since() < end {
+					lat := time.Duration(float64(s.Timeout) * (0.5 + rng.Float64()))
+					for _, i := range targets {
+						r.links[i].SetLatency(lat)
+					}
+					time.Sleep(time.Duration(50+rng.IntN(100)) * time.Millisecond)
+				}
+				for _, i := range targets {
+					r.links[i].SetLatency(0)
+				}
+			}()
+		case "reset":
+			for _, i := range targets {
+				r.links[i].Reset()
+			}
+		case "scriptflush":
+			r.srv.FlushScripts()
+		case "clockback":
+			r.srv.SetSkew(-e.For) // one jump; a later one replaces it
+		case "setlimit":
+			for _, in := range insts {
+				if in != nil && !in.closed.Load() {
+					if err := in.lim.SetLimit(e.L); err != nil {
+						panic(err)
+					}
+				}
+			}
+		case "join":
+			for _, i := range e.Who {
+				start(i)
+			}
+		case "leave":
+			for _, i := range e.Who {
+				if in := insts[i]; in != nil && !in.closed.Load() {
+					in.closed.Store(true)
+					in.lim.Close()
+					in.stop()
+				}
+			}
+		}
+	}
+	if d := s.Duration - r.since(); d > 0 {
+		time.Sleep(d)
+	}
+	cancelAll()
+	bg.Wait()
+	fmu.Lock()
+	for i := range s.Slots {
+		hung[i], refused[i] = 0, 0
+		r.links[i].Resume()
+		r.links[i].Refuse(false)
+	}
+	fmu.Unlock()
+	for _, in := range insts {
+		if in != nil {
+			in.wg.Wait()
+			in.lim.Close()
+			in.client.Close()
+		}
+	}
+	r.srv.Close()
+	// go-redis's dial retries and read time-outs may still be sleeping:
+	// give them time to end, so that what the bubble then holds is stuck
+	// for good.
+	time.Sleep(30 * time.Second)
+}
+
+// share returns the part of the offered traffic slot i sends.
+func (r *simRun) share(i int) float64 {
+	n := r.s.Slots
+	if r.s.Shape != "80/15/5" || n == 1 {
+		return 1 / float64(n)
+	}
+	switch {
+	case i == 0:
+		return 0.8
+	case n == 2:
+		return 0.2
+	case i == 1:
+		return 0.15
+	}
+	return 0.05 / float64(n-2)
+}
+
+func (r *simRun) key(rng *rand.Rand, i int) string {
+	if r.s.Shape == "sticky" {
+		return fmt.Sprintf("k%d", i%r.s.Keys)
+	}
+	if rng.IntN(2) == 0 {
+		return "k0"
+	}
+	return fmt.Sprintf("k%d", rng.IntN(r.s.Keys))
+}
+
+// traffic sends slot i's AllowN calls, each from a goroutine of its own,
+// at exponential gaps, until ctx ends.
+func (r *simRun) traffic(ctx context.Context, i int, in *instance) {
+	s := r.s
+	rate := s.Offered * r.share(i)
+	rng := rand.New(rand.NewPCG(s.Seed, uint64(i)+1))
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	var calls sync.WaitGroup
+	defer calls.Wait()
+	for {
+		gap := time.Duration(rng.ExpFloat64() / rate * float64(time.Second))
+		timer.Reset(gap)
+		select {
+		case <-timer.C:
+		case <-ctx.Done():
+			return
+		}
+		key := r.key(rng, i)
+		n := int64(1)
+		if s.MaxN > 1 && rng.IntN(3) == 0 {
+			n = 1 + rng.Int64N(s.MaxN)
+		}
+		var dl time.Duration
+		switch s.Deadline {
+		case "short":
+			dl = time.Duration(float64(s.Timeout) * (0.3 + 0.6*rng.Float64()))
+		case "long":
+			dl = time.Duration(float64(s.Timeout) * (1.5 + 1.5*rng.Float64()))
+		}
+		refund := s.Refunds > 0 && rng.Float64() < s.Refunds
+		calls.Add(1)
+		go func() {
+			defer calls.Done()
+			r.call(in, i, key, n, dl, refund)
+		}()
+	}
+}
+
+func (r *simRun) call(in *instance, i int, key string, n int64, dl time.Duration, refund bool) {
+	ctx := context.Background()
+	if dl > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, dl)
+		defer cancel()
+	}
+	rec := record{inst: i, key: key, n: n, start: r.since(), deadline: dl}
+	d, err := in.lim.AllowN(ctx, key, n)
+	rec.end = r.since()
+	rec.err, rec.allowed, rec.mode, rec.retry, rec.cached = err, d.Allowed, d.Mode, d.RetryAfter, d.Cached
+	if err == nil && d.Allowed && d.Mode == ModeLocal {
+		rec.weight = in.lim.Stats().Weight
+	}
+	// A denial made at once (from what Redis said, or by a Redis with no
+	// latency) must be one that Redis's bucket would give now; a denial
+	// that took time may have been right when Redis gave it.
+	if err == nil && !d.Allowed && d.Mode == ModeRemote && rec.end == rec.start && !r.changes() {
+		l := r.limitAt(rec.end)
+		if rl, lerr := remote.NewLimit(l.Rate, l.Burst); lerr == nil {
+			if r.srv.Level(DefaultPrefix+key, rl.Q, rl.P, rl.Cap()) >= n*rl.P {
+				rec.staleDeny = true
+			}
+		}
+	}
+	if err == nil && d.Allowed && refund {
+		_ = in.lim.Refund(context.Background(), key, d, n)
+		rec.refunded = true
+	}
+	r.mu.Lock()
+	r.recs = append(r.recs, rec)
+	r.mu.Unlock()
+}
+
+// changes reports whether the schedule refunds or changes limits: either
+// lets a bucket hold more than a cached denial assumed (documented).
+func (r *simRun) changes() bool {
+	if r.s.Refunds > 0 {
+		return true
+	}
+	for _, e := range r.s.Events {
+		if e.Kind == "setlimit" {
+			return true
+		}
+	}
+	return false
+}
+
+// waiter calls WaitN on k0 until ctx ends.
+func (r *simRun) waiter(ctx context.Context, i, w int, in *instance) {
+	rng := rand.New(rand.NewPCG(r.s.Seed, 1000+uint64(w)))
+	for ctx.Err() == nil {
+		n := int64(1)
+		if r.s.MaxN > 1 && rng.IntN(2) == 0 {
+			n = r.s.MaxN
+		}
+		wctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		rec := record{inst: i, key: "k0", n: n, start: r.since(), wait: true}
+		err := in.lim.WaitN(wctx, "k0", n)
+		cancel()
+		rec.end, rec.err, rec.allowed = r.since(), err, err == nil
+		r.mu.Lock()
+		r.recs = append(r.recs, rec)
+		r.mu.Unlock()
+		if errors.Is(err, ErrClosed) {
+			return
+		}
+		if err != nil {
+			// WaitN may give up at once when the deadline is too near.
+			select {
+			case <-time.After(10 * time.Millisecond):
+			case <-ctx.Done():
+			}
+		}
+	}
+}
+
+// Bounds of the invariants, from docs/design.md.
+const (
+	simEps       = time.Millisecond // virtual time: a decision's own work takes none
+	simProbeWait = 20 * time.Millisecond
+	simOpenFor   = DefaultBreakerOpenFor
+)
+
+func within(t time.Duration, ivs []interval) (interval, bool) {
+	for _, iv := range ivs {
+		if t >= iv.from && t < iv.to {
+			return iv, true
+		}
+	}
+	return interval{}, false
+}
+
+// settled returns when slot i's breaker must be open in cut interval c:
+// the end of the Failures-th call it started in c; ok is false if it
+// started fewer.
+func settled(recs []record, i int, c interval) (time.Duration, bool) {
+	k := 0
+	for _, rec := range recs {
+		if rec.inst == i && !rec.wait && rec.start >= c.from && rec.start < c.to {
+			if k++; k == DefaultBreakerFailures {
+				return rec.end, true
+			}
+		}
+	}
+	return 0, false
+}
+
+func (r *simRun) check(v map[string][]string) {
+	s := r.s
+	recs := r.recs
+	sort.SliceStable(recs, func(i, j int) bool { return recs[i].start < recs[j].start })
+	add := func(name, format string, args ...any) {
+		v[name] = append(v[name], fmt.Sprintf(format, args...))
+	}
+	for _, msg := range r.spins {
+		add("waitn-spin", "%s", msg)
+	}
+	// Per call.
+	for _, rec := range recs {
+		if rec.wait {
+			continue
+		}
+		if err := rec.err; err != nil {
+			switch {
+			case errors.Is(err, ErrClosed) && r.alive[rec.inst].to < s.Duration:
+			case (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) &&
+				rec.deadline > 0 && rec.end >= rec.start+rec.deadline:
+			default:
+				add("redis-error", "instance %d AllowN(%s, %d) at %v (deadline %v) returned %v",
+					rec.inst, rec.key, rec.n, rec.start, rec.deadline, err)
+			}
+		}
+		budget := s.Timeout
+		if rec.deadline > 0 {
+			budget = min(budget, rec.deadline)
+		}
+		if d := rec.end - rec.start; d > budget+simEps {
+			add("latency", "instance %d AllowN(%s) at %v took %v, budget %v", rec.inst, rec.key, rec.start, d, budget)
+		}
+		if rec.err == nil && !rec.allowed && (rec.retry < 0 || rec.retry > time.Hour) {
+			add("retry-after", "instance %d AllowN(%s, %d) at %v: %v denial with RetryAfter %v",
+				rec.inst, rec.key, rec.n, rec.start, rec.mode, rec.retry)
+		}
+		if rec.err == nil && rec.mode == ModeRemote {
+			// A cached denial answers from what Redis said less than
+			// cachedFor ago, which may be before the cut: no reply comes
+			// during one, so the cut must have begun less than cachedFor
+			// before the decision.
+			c, ok := within(rec.start, r.cut[rec.inst])
+			if ok && rec.cached && !rec.allowed {
+				if obs, seen := r.observed(rec.inst, rec.key, c.from); seen && rec.start-obs < cachedFor {
+					ok = false
+				}
+			}
+			if ok && rec.end < c.to {
+				add("remote-while-down", "instance %d AllowN(%s) at %v: ModeRemote (allowed %v) while Redis was cut off %v-%v",
+					rec.inst, rec.key, rec.start, rec.allowed, c.from, c.to)
+			}
+		}
+		if rec.staleDeny {
+			add("stale-denial", "instance %d AllowN(%s, %d) at %v: remote denial while Redis's bucket held %d tokens or more",
+				rec.inst, rec.key, rec.n, rec.start, rec.n)
+		}
+	}
+	// A caller whose deadline ran out while Redis hung still opens the
+	// breaker; after Failures such calls, decisions come with a nil error.
+	for i := range s.Slots {
+		for _, c := range r.cut[i] {
+			at, ok := settled(recs, i, c)
+			if !ok {
+				continue
+			}
+			for _, rec := range recs {
+				if rec.inst == i && !rec.wait && rec.start > at && rec.end < c.to && rec.err != nil && !errors.Is(rec.err, ErrClosed) {
+					add("short-deadline-failover", "instance %d AllowN(%s) at %v (deadline %v): %v, though Redis was cut off from %v and %d calls had failed by %v",
+						i, rec.key, rec.start, rec.deadline, rec.err, c.from, DefaultBreakerFailures, at)
+					break
+				}
+			}
+		}
+	}
+	// Back on the shared bucket once Redis is.
+	reopen := time.Duration(float64(simOpenFor)*(1+DefaultBreakerJitter)) + simProbeWait + s.Timeout
+	for i := range s.Slots {
+		var healed time.Duration
+		killed := false
+		for _, c := range r.disturb[i] {
+			if c.to > healed {
+				healed = c.to
+				_, killed = within(c.from, r.killed)
+			}
+		}
+		bound := healed + 2*reopen
+		if killed {
+			bound += time.Second // go-redis dials once a second after failed dials
+		}
+		for _, rec := range recs {
+			if rec.inst == i && !rec.wait && rec.err == nil && rec.start > bound && rec.mode != ModeRemote {
+				add("recovery", "instance %d AllowN(%s) at %v decided %v; Redis was back at %v, bound %v",
+					i, rec.key, rec.start, rec.mode, healed, bound)
+				break
+			}
+		}
+	}
+	r.checkWindows(add)
+	r.checkFloor(add)
+	r.checkExact(add)
+	r.checkCharges(add)
+}
+
+// observed returns when slot i last heard Redis answer a decision on key
+// by time t: the end of its latest uncached remote decision, or of a WaitN
+// (whose mode is not reported), that ended by t.
+func (r *simRun) observed(i int, key string, t time.Duration) (time.Duration, bool) {
+	var at time.Duration
+	seen := false
+	for _, rec := range r.recs {
+		if rec.inst != i || rec.key != key || rec.end > t || rec.err != nil && !rec.wait {
+			continue
+		}
+		if rec.wait || rec.mode == ModeRemote && !rec.cached {
+			if !seen || rec.end > at {
+				at, seen = rec.end, true
+			}
+		}
+	}
+	return at, seen
+}
+
+// admission is tokens admitted at a time, by whom.
+type admission struct {
+	at     time.Duration
+	n      int64
+	inst   int
+	local  bool
+	weight float64
+}
+
+func (r *simRun) admissions(key string) []admission {
+	var out []admission
+	for _, rec := range r.recs {
+		if rec.key != key || !rec.allowed || rec.refunded || rec.err != nil || (!rec.wait && rec.mode == ModeFailOpen) {
+			continue
+		}
+		out = append(out, admission{rec.end, rec.n, rec.inst, !rec.wait && rec.mode == ModeLocal, rec.weight})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].at < out[j].at })
+	return out
+}
+
+// checkWindows checks that the fleet admits no more on a key in any
+// window [a, a+W) than Rate×W + Burst, plus the outage allowance: the
+// local shares' part of the limit, their weights summed but at most one
+// limit, one burst per hand-off back to Redis and one per data loss.
+func (r *simRun) checkWindows(add func(string, string, ...any)) {
+	s := r.s
+	var rmax float64
+	var bmax int64
+	for _, l := range r.limits {
+		rmax, bmax = math.Max(rmax, l.l.Rate), max(bmax, l.l.Burst)
+	}
+	var heals, losses []time.Duration
+	for i := range s.Slots {
+		for _, c := range r.disturb[i] {
+			heals = append(heals, c.to)
+		}
+	}
+	for _, k := range r.killed {
+		losses = append(losses, k.to)
+	}
+	slices.Sort(heals)
+	heals = slices.Compact(heals)
+	count := func(ts []time.Duration, a, b time.Duration) int {
+		n := 0
+		for _, t := range ts {
+			if t >= a && t < b {
+				n++
+			}
+		}
+		return n
+	}
+	for k := range s.Keys {
+		key := fmt.Sprintf("k%d", k)
+		adm := r.admissions(key)
+		check := func(a, b time.Duration) bool {
+			w := (b - a).Seconds()
+			base := rmax*w + float64(bmax)
+			var got int64
+			weights := map[int]float64{}
+			for _, x := range adm {
+				if x.at >= a && x.at < b {
+					got += x.n
+					if x.local {
+						weights[x.inst] = math.Max(weights[x.inst], x.weight)
+					}
+				}
+			}
+			sum := 0.0
+			for _, w := range weights {
+				sum += w
+			}
+			allow := math.Min(1, sum) * base
+			allow += float64(bmax) * float64(count(heals, a-time.Second, b))
+			allow += float64(bmax) * float64(count(losses, a-time.Second, b))
+			if float64(got) > base+allow+1e-9 {
+				add("window-limit", "key %s admitted %d in [%v, %v); bound %.1f (%.1f + outage allowance %.1f, local shares %.2f)",
+					key, got, a, b, base+allow, base, allow, sum)
+				return false
+			}
+			return true
+		}
+		if !check(0, s.Duration+time.Second) {
+			continue
+		}
+		for _, x := range adm {
+			if !check(x.at, x.at+time.Second) {
+				break
+			}
+		}
+	}
+}
+
+// checkFloor checks that, under FailLocal through an outage of every
+// instance, each key is still admitted at least the smallest share the
+// design gives an instance: Rate × min(evenPart/N, 1/Instances) a second.
+func (r *simRun) checkFloor(add func(string, string, ...any)) {
+	s := r.s
+	if s.Policy != FailLocal {
+		return
+	}
+	for _, c := range r.killedOrHungAll() {
+		ws := c.from
+		live := 0
+		for i := range s.Slots {
+			if r.alive[i].from < 0 || r.alive[i].from > c.from || r.alive[i].to <= c.from {
+				continue
+			}
+			live++
+			if at, ok := settled(r.recs, i, c); ok {
+				ws = max(ws, at)
+			} else {
+				ws = max(ws, c.from+500*time.Millisecond)
+			}
+		}
+		if live == 0 || ws+time.Second > c.to {
+			continue
+		}
+		l := r.limitAt(ws)
+		if r.limitAt(ws+time.Second) != l {
+			continue
+		}
+		wmin := math.Min(evenPart/float64(live), 1/float64(max(s.CfgInst, 1)))
+		if s.CfgInst == 0 {
+			// A pod not told Instances holds nothing until its first
+			// heartbeat (docs/design.md): one that had not sent one when
+			// Redis went away has a share of 0, and so has the floor.
+			for i := range s.Slots {
+				if r.alive[i].from < 0 || r.alive[i].from > c.from || r.alive[i].to <= c.from {
+					continue
+				}
+				if at, ok := r.heard[i]; !ok || at >= c.from {
+					wmin = 0
+				}
+			}
+		}
+		want := math.Floor(l.Rate * wmin)
+		for k := range s.Keys {
+			key := fmt.Sprintf("k%d", k)
+			var got, offered int64
+			waited := false
+			for _, rec := range r.recs {
+				if rec.key != key || rec.end < ws || rec.end >= ws+time.Second {
+					continue
+				}
+				if rec.wait {
+					waited = true
+				} else {
+					offered += rec.n
+				}
+				if rec.allowed && rec.err == nil {
+					got += rec.n
+				}
+			}
+			floor := want
+			if !waited {
+				floor = math.Min(floor, float64(offered))
+			}
+			if float64(got) < floor-1 {
+				add("outage-floor", "key %s admitted %d in [%v, %v) of an outage of every instance (offered %d); floor %.0f",
+					key, got, ws, ws+time.Second, offered, floor-1)
+			}
+		}
+	}
+}
+
+// killedOrHungAll returns the intervals in which every instance was cut off.
+func (r *simRun) killedOrHungAll() []interval {
+	out := slices.Clone(r.killed)
+	for _, e := range r.s.Events {
+		if e.Kind == "hang" && e.Who == nil {
+			out = append(out, interval{e.At, e.At + e.For})
+		}
+	}
+	return out
+}
+
+// checkExact checks, on a healthy run with n = 1, that the fleet admitted
+// exactly what one token bucket, fed every call in order, admits.
+func (r *simRun) checkExact(add func(string, string, ...any)) {
+	s := r.s
+	if !s.healthy() {
+		return
+	}
+	rl, err := remote.NewLimit(s.Limit.Rate, s.Limit.Burst)
+	if err != nil {
+		panic(err)
+	}
+	for k := range s.Keys {
+		key := fmt.Sprintf("k%d", k)
+		type req struct {
+			at   time.Duration
+			wait bool
+		}
+		var reqs []req
+		got := 0
+		for _, rec := range r.recs {
+			if rec.key != key {
+				continue
+			}
+			if rec.allowed && rec.err == nil {
+				got++
+			}
+			switch {
+			case rec.wait && rec.allowed:
+				reqs = append(reqs, req{rec.end, true})
+			case !rec.wait:
+				reqs = append(reqs, req{rec.start, false})
+			}
+		}
+		sort.SliceStable(reqs, func(i, j int) bool { return reqs[i].at < reqs[j].at })
+		level, last := rl.Cap(), r.t0.UnixMicro()
+		want := 0
+		for _, q := range reqs {
+			us := r.t0.Add(q.at).UnixMicro()
+			level = min(rl.Cap(), level+(us-last)*rl.Q)
+			last = us
+			if level >= rl.P {
+				level -= rl.P
+				want++
+			}
+		}
+		if got != want {
+			add("exact-healthy", "key %s: the fleet admitted %d, one bucket fed the same calls admits %d", key, got, want)
+		}
+	}
+}
+
+// checkCharges checks that each instance charges Redis, for a key, with
+// no more than it spent itself on its local share of that key, and each
+// charge with at most a burst (docs/design.md). Counted over the run,
+// since a charge that failed is owed to a later one: by every charge, the
+// instance's charges so far add up to at most its local admissions so far
+// (a WaitN's admissions too, whose mode is not reported), plus the tokens
+// of its decisions that timed out, which it decided locally while Redis
+// may have run them late: the design errs on the side of refusing there.
+// Half a token of rounding aside; sums are in tokens, as limits change.
+func (r *simRun) checkCharges(add func(string, string, ...any)) {
+	type ik struct {
+		inst int
+		key  string
+	}
+	charged := map[ik]float64{}
+	cs := slices.Clone(r.charges)
+	sort.SliceStable(cs, func(i, j int) bool { return cs[i].at < cs[j].at })
+	for _, c := range cs {
+		l := r.limitAt(c.at)
+		rl, err := remote.NewLimit(l.Rate, l.Burst)
+		if err != nil {
+			continue
+		}
+		k := ik{c.inst, c.key}
+		charged[k] += float64(c.units) / float64(rl.P)
+		var local, timedOut int64
+		for _, rec := range r.recs {
+			if rec.inst != c.inst || rec.key != c.key || rec.end > c.at || rec.err != nil {
+				continue
+			}
+			if rec.allowed && (rec.wait || rec.mode == ModeLocal) {
+				local += rec.n
+			}
+			budget := r.s.Timeout
+			if rec.deadline > 0 {
+				budget = min(budget, rec.deadline)
+			}
+			if !rec.wait && rec.mode == ModeLocal && rec.end-rec.start >= budget*9/10-simEps {
+				timedOut += rec.n
+			}
+		}
+		var bmax int64
+		for _, x := range r.limits {
+			bmax = max(bmax, x.l.Burst)
+		}
+		switch {
+		case c.units > bmax*rl.P+rl.P/2+1:
+			add("reconcile-overcharge", "instance %d charged key %s %.2f tokens at %v, more than a burst (%d)",
+				c.inst, c.key, float64(c.units)/float64(rl.P), c.at, bmax)
+		case charged[k] > float64(local+timedOut)+0.5:
+			add("reconcile-overcharge", "instance %d charged key %s %.2f tokens by %v; it spent %d locally (%d more timed out)",
+				c.inst, c.key, charged[k], c.at, local, timedOut)
+		}
+	}
+}
+
+// TestSim runs the simulator over -sim.seeds seeds from -sim.first, or
+// replays -sim.seed, and fails on any invariant violated. The log ends
+// with how many seeds failed each invariant.
+func TestSim(t *testing.T) {
+	if *simSeed >= 0 {
+		replay(t, uint64(*simSeed))
+		return
+	}
+	var mu sync.Mutex
+	failed := map[string][]uint64{}
+	feats := map[string]map[string]int{} // invariant, feature: failing seeds
+	start := time.Now()
+	t.Run("seeds", func(t *testing.T) {
+		for seed := *simFirst; seed < *simFirst+uint64(*simSeeds); seed++ {
+			t.Run(fmt.Sprint(seed), func(t *testing.T) {
+				sched := genSchedule(seed)
+				v, _ := simulate(t, sched)
+				mu.Lock()
+				for name := range v {
+					if feats[name] == nil {
+						feats[name] = map[string]int{}
+					}
+					for _, f := range sched.features() {
+						feats[name][f]++
+					}
+				}
+				for name := range v {
+					failed[name] = append(failed[name], seed)
+				}
+				mu.Unlock()
+			})
+		}
+	})
+	elapsed := time.Since(start)
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d seeds in %v (%.0f seeds/s)\n", *simSeeds, elapsed.Round(time.Millisecond), float64(*simSeeds)/elapsed.Seconds())
+	any := false
+	for _, name := range invariants {
+		seeds := failed[name]
+		slices.Sort(seeds)
+		fmt.Fprintf(&b, "  %-24s %5d seeds", name, len(seeds))
+		if len(seeds) > 0 {
+			any = true
+			fmt.Fprintf(&b, "  e.g. %v\n   ", seeds[:min(5, len(seeds))])
+			var fs []string
+			for f, n := range feats[name] {
+				fs = append(fs, fmt.Sprintf("%s %d", f, n))
+			}
+			slices.Sort(fs)
+			fmt.Fprintf(&b, "  with: %s", strings.Join(fs, ", "))
+		}
+		b.WriteString("\n")
+	}
+	t.Log(b.String())
+	if any {
+		for _, name := range invariants {
+			if seeds := failed[name]; len(seeds) > 0 {
+				t.Errorf("invariant %s failed on %d seeds; replay one: go test -run 'TestSim$' -sim.seed=%d -v .", name, len(seeds), seeds[0])
+			}
+		}
+	}
+}
+
+// replay runs one seed, prints its schedule and violations, and shrinks
+// the schedule by dropping events one at a time while it still fails an
+// invariant the whole schedule failed.
+func replay(t *testing.T, seed uint64) {
+	s := genSchedule(seed)
+	t.Logf("replay: go test -run 'TestSim$' -sim.seed=%d -v .\n%v", seed, s)
+	v, _ := simulate(t, s)
+	if len(v) == 0 {
+		t.Log("no invariant failed")
+		return
+	}
+	report := func(v map[string][]string) {
+		for _, name := range invariants {
+			if msgs := v[name]; len(msgs) > 0 {
+				t.Errorf("%s (%d): %s", name, len(msgs), strings.Join(msgs[:min(3, len(msgs))], "\n\t"))
+			}
+		}
+	}
+	report(v)
+	failsSame := func(w map[string][]string) bool {
+		for name := range v {
+			if len(w[name]) > 0 {
+				return true
+			}
+		}
+		return false
+	}
+	small := s
+	for changed := true; changed; {
+		changed = false
+		for i := range small.Events {
+			try := small
+			try.Events = slices.Delete(slices.Clone(small.Events), i, i+1)
+			if w, _ := simulate(t, try); failsSame(w) {
+				small, changed = try, true
+				break
+			}
+		}
+	}
+	if len(small.Events) < len(s.Events) {
+		w, _ := simulate(t, small)
+		t.Logf("shrunk to %d of %d events (the generator's seed no longer reproduces it; this schedule does):\n%v", len(small.Events), len(s.Events), small)
+		t.Log("the shrunk schedule fails:")
+		report(w)
+	}
+}
