@@ -514,7 +514,7 @@ func TestObserveSeeds(t *testing.T) {
 // the local bucket, leaves other keys alone, and reports again what Settle
 // did not confirm, which a new local bucket does not hand out again.
 func TestDrain(t *testing.T) {
-	s := New(100)
+	s := New(1000) // room for every key in any shard: none is evicted
 	r := rate.Limit(10)
 	s.Observe(t0, 1, "a", 5, 10, 10) // 5 of 10 tokens
 	s.AllowN(t0, "a", r, 10, 10.0, 4)
