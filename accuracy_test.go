@@ -21,7 +21,7 @@ import (
 type outage struct {
 	policy  FailurePolicy
 	weights []float64 // offered load per instance; nil means even
-	// The mechanisms of issue 4, on unless turned off here: plain local
+	// The hand-off, reconciliation and fleet shares, on unless turned off here: plain local
 	// fallback turns all three off.
 	noHandoff, noReconcile, noFleet bool
 	// join adds a fourth instance (Instances stays 3) before the outage.

@@ -1,6 +1,6 @@
 package hybridlimit
 
-// Issue 3's scenarios on a 3-master Redis Cluster: exact counts over keys
+// The fault scenarios on a 3-master Redis Cluster: exact counts over keys
 // spread across the slots, a slot resharded under load, and one shard
 // paused while the others keep deciding. The helpers (rig, leakCheck, ...)
 // are in faults_test.go.

@@ -1,6 +1,6 @@
 package hybridlimit
 
-// The fault-injection suite of issue 3: real redis-server processes, a
+// The fault-injection suite: real redis-server processes, a
 // Cluster, and a TCP proxy that delays, black-holes and resets, each under
 // the standard load below. Every scenario logs a per-second table; the
 // numbers measured on the development machine are in docs/faults.md.
@@ -484,7 +484,7 @@ func TestFaultKilled(t *testing.T) {
 //
 // The budget is 100ms rather than 50ms: under -race, with other packages'
 // tests beside it, this 2-core machine stalls for 30ms and more at times
-// (three decisions of 50-54ms at 5ms each way were seen in CI), and a stall
+// (three decisions of 50-54ms at 5ms each way were seen on a loaded machine), and a stall
 // is not the latency under test.
 func TestFaultProxy(t *testing.T) {
 	leakCheck(t)
