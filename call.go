@@ -109,8 +109,12 @@ func (lim *Limiter) send(ctx context.Context, nd *node, req remote.Request) (rem
 // classify turns a call's error into its outcome and what it says of the
 // node.
 func (lim *Limiter) classify(ctx context.Context, err error, budget time.Duration) (outcome, breaker.Outcome) {
+	// A time-out says something of Redis only if the budget was long
+	// enough, and once the first contact (dialing, loading the scripts and
+	// the Cluster's layout, in the background from New) is over: a cold
+	// client on a busy machine is not a failing node.
 	judged := breaker.Failure
-	if budget < lim.minJudged() {
+	if budget < lim.minJudged() || !lim.warmedUp() {
 		judged = breaker.Excluded
 	}
 	switch {
@@ -145,6 +149,16 @@ func ended(ctx context.Context) bool {
 	}
 	dl, ok := ctx.Deadline()
 	return ok && !time.Now().Before(dl)
+}
+
+// warmedUp reports whether the first contact with Redis (warm) is over.
+func (lim *Limiter) warmedUp() bool {
+	select {
+	case <-lim.warmed:
+		return true
+	default:
+		return false
+	}
 }
 
 // minJudged is the shortest budget whose time-out says something of Redis:

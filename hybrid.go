@@ -137,6 +137,9 @@ type Limiter struct {
 	// layout; tried is closed when the first attempt to load it ended.
 	mapped atomic.Bool
 	tried  chan struct{}
+	// warmed is closed when warm has returned: the first contact with
+	// Redis is over, whatever came of it.
+	warmed chan struct{}
 
 	// ctx is the context of every Redis call the limiter makes of its own
 	// (probes, charges, heartbeats); Close cancels it.
@@ -196,6 +199,7 @@ func New(cfg Config) (*Limiter, error) {
 		owed:   make(chan struct{}, 1),
 		opened: make(chan struct{}, 1),
 		tried:  make(chan struct{}),
+		warmed: make(chan struct{}),
 		done:   make(chan struct{}),
 	}
 	lim.ctx, lim.cancel = context.WithCancel(context.Background())
@@ -266,22 +270,21 @@ var errNoLayout = errors.New("hybridlimit: the Cluster's slot layout is not load
 // It never loads the Cluster's layout itself, which go-redis would do
 // synchronously, for up to its ReadTimeout per seed node whatever ctx
 // says: New loads it in the background, and until that first attempt has
-// ended a decision waits for it, at most for the budget. After a failed
-// attempt it returns errNoLayout at once, while loading goes on.
+// ended a decision waits for it until ctx ends (decide bounds ctx by the
+// budget then). After a failed attempt it returns errNoLayout at once,
+// while loading goes on.
 func (lim *Limiter) nodeFor(ctx context.Context, key string) (*node, error) {
 	if lim.single != nil {
 		return lim.single, nil
 	}
 	if !lim.mapped.Load() {
-		t := time.NewTimer(lim.cfg.Timeout)
 		select {
 		case <-lim.tried:
-		case <-t.C:
 		case <-ctx.Done():
-			t.Stop()
-			return nil, ctx.Err()
+			if errors.Is(ctx.Err(), context.Canceled) {
+				return nil, ctx.Err()
+			}
 		}
-		t.Stop()
 		if !lim.mapped.Load() {
 			return nil, errNoLayout
 		}
@@ -405,13 +408,24 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		return nil
 	}
 	rkey := lim.cfg.Prefix + key
+	caller := ctx
+	if lim.cluster != nil && !lim.mapped.Load() {
+		// Waiting for the Cluster's layout spends the decision's budget:
+		// the call that follows gets only what is left of it.
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, lim.cfg.Timeout)
+		defer cancel()
+		if err := caller.Err(); err != nil {
+			return err
+		}
+	}
 	nd, err := lim.nodeFor(ctx, rkey)
 	if err != nil {
 		if errors.Is(err, ErrClosed) {
 			return err
 		}
-		if ctx.Err() != nil {
-			return ctx.Err()
+		if errors.Is(err, context.Canceled) {
+			return err
 		}
 		// The Cluster's layout is unknown: no node to ask.
 		lim.fallback(key, n, ls, nil, d)
@@ -452,7 +466,11 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		if lim.closed.Load() {
 			return ErrClosed
 		}
-		return ctxErr(ctx)
+		if ended(caller) {
+			return ctxErr(caller)
+		}
+		// Only the budget ran out (waiting for the Cluster's layout took
+		// it): the caller still gets a decision.
 	}
 	lim.fallback(key, n, ls, nd, d)
 	return nil
@@ -589,6 +607,7 @@ func (lim *Limiter) share(l Limit) (rate.Limit, int, float64) {
 // they go.
 func (lim *Limiter) warm() {
 	defer lim.wg.Done()
+	defer close(lim.warmed)
 	if lim.cluster == nil {
 		close(lim.tried)
 		ctx, cancel := context.WithTimeout(lim.ctx, time.Second)

@@ -2,6 +2,9 @@ package hybridlimit
 
 import (
 	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -32,6 +35,7 @@ func refused(t *testing.T) *redis.Client {
 func TestShortDeadlinesOpenTheBreaker(t *testing.T) {
 	srv := redistest.Start(t)
 	lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(1000), Instances: 1, Heartbeat: -1})
+	<-lim.warmed // time-outs count once the first contact is over
 	if d, err := lim.Allow(context.Background(), "k"); err != nil || d.Mode != ModeRemote {
 		t.Fatalf("Allow before the pause = %+v, %v; want remote", d, err)
 	}
@@ -271,5 +275,46 @@ func TestNewPodDuringOutage(t *testing.T) {
 	}
 	if _, err := New(Config{Redis: refused(t), Limit: PerSecond(1), Heartbeat: -1}); err == nil {
 		t.Errorf("New with FailLocal, no heartbeat and no Instances = nil error; want ErrInvalidConfig")
+	}
+}
+
+// TestColdStart: decisions made at once after New, on a Cluster the client
+// has never reached, wait at most their budget (the layout and the scripts
+// load in the background), return no error, and do not open a breaker
+// however slow the first contact is on a busy machine.
+func TestColdStart(t *testing.T) {
+	cl := redistest.StartCluster(t, 3)
+	const timeout = DefaultTimeout
+	var lims []*Limiter
+	for range 3 {
+		lims = append(lims, newLimiter(t, Config{Redis: cl.Client(t), Limit: PerSecond(1e6), Instances: 3,
+			Timeout: timeout}))
+	}
+	var wg sync.WaitGroup
+	var slow atomic.Int64
+	for _, lim := range lims {
+		for w := range 8 {
+			wg.Go(func() {
+				for i := range 20 {
+					start := time.Now()
+					_, err := lim.Allow(context.Background(), fmt.Sprintf("k%d-%d", w, i))
+					if err != nil {
+						t.Errorf("Allow = %v; want a decision", err)
+					}
+					if took := time.Since(start); took > timeout+latencyMargin {
+						slow.Add(1)
+						t.Errorf("a cold decision took %v; want within its budget %v (+%v)", took, timeout, latencyMargin)
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	for i, lim := range lims {
+		for addr, st := range lim.Stats().Breakers {
+			if st != "closed" {
+				t.Errorf("instance %d: breaker of %s %s after a cold start; want closed", i, addr, st)
+			}
+		}
 	}
 }
