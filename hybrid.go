@@ -120,7 +120,8 @@ type Limiter struct {
 	cluster *redis.ClusterClient    // nil unless cfg.Redis is a Cluster client
 	single  *node                   // the one node unless cluster
 	nodes   atomic.Pointer[nodeMap] // cluster nodes by address; copy on write
-	count   atomic.Int64            // decisions, for the fleet's weights
+	count   atomic.Int64            // tokens offered, for the fleet's weights (see demand)
+	demand  *demand                 // counts count; nil without a heartbeat
 	healed  chan *node              // nodes whose breaker closed, to reconcile
 
 	mu     sync.Mutex // serializes writers of nodes, and closed with them
@@ -192,6 +193,7 @@ func New(cfg Config) (*Limiter, error) {
 	go lim.prober()
 	go lim.warm()
 	if cfg.Heartbeat > 0 {
+		lim.demand = newDemand()
 		lim.wg.Add(1)
 		go lim.heartbeat()
 	}
@@ -321,7 +323,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	// or not: it granted them already.
 	if lim.cfg.Lease > 0 {
 		if left, ok := lim.shares.TakeLease(lim.cfg.now(), key, n); ok {
-			lim.count.Add(1) // traffic, for the fleet's weights, as a remote decision
+			lim.count.Add(n) // granted by Redis, for the fleet's weights
 			*d = Decision{Allowed: true, Remaining: left, Mode: ModeLease}
 			return nil
 		}
@@ -353,9 +355,9 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		lim.fallback(key, n, l, nd, d)
 		return nil
 	}
-	lim.count.Add(1)
 	if !lim.cfg.noCache {
 		if lim.cached(key, n, ls, d) {
+			lim.tally(key, n, ls, false)
 			return nil
 		}
 	}
@@ -374,6 +376,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	switch {
 	case err == nil:
 		ticket.Done(nil)
+		lim.tally(key, n, ls, res.Allowed)
 		if res.Leased > 0 {
 			lim.shares.Lease(sent, key, res.Leased, sent.Add(lim.cfg.LeaseFor))
 		}

@@ -3,6 +3,7 @@ package remote
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -317,36 +318,75 @@ func TestCharge(t *testing.T) {
 	run(t, m, p, "k", lim, []step{{250 * time.Millisecond, 2, false, 1, 50 * time.Millisecond}})
 }
 
+// TestFleet: reports for window k-1 are accepted during window k and read
+// during window k+1, the same numbers for every reader; a late report
+// replaces, an instance that did not report gets a ticket, and an old
+// window's hash is dropped when the ring comes back to it.
 func TestFleet(t *testing.T) {
 	m, _ := newMini(t)
 	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
 	defer c.Close()
 	ctx := context.Background()
-	beat := func(id, report string) map[string]string {
+	const every = time.Second
+	// Window k of Redis TIME, plus at.
+	k := t0.UnixMilli() / 1000
+	at := func(window int64, at time.Duration) {
+		m.SetTime(time.UnixMilli(window * 1000).Add(at))
+	}
+	beat := func(id string, admitted int64) Heartbeat {
 		t.Helper()
-		ms, err := Fleet(ctx, c, "fleet", id, report, 3*time.Second, 100)
+		h, err := Fleet(ctx, c, "{fleet}", id, admitted, every)
 		if err != nil {
-			t.Fatalf("Fleet(%q) = %v", id, err)
+			t.Fatalf("Fleet(%q, %d) = %v", id, admitted, err)
 		}
-		got := map[string]string{}
-		for _, mb := range ms {
-			got[mb.ID] = mb.Report
+		return h
+	}
+	check := func(what string, got, want Heartbeat) {
+		t.Helper()
+		want.Now = got.Now
+		if got != want {
+			t.Errorf("%s: Fleet = %+v; want %+v", what, got, want)
 		}
-		return got
 	}
-	beat("a", "1")
-	m.SetTime(t0.Add(time.Second))
-	beat("b", "2")
-	if got := beat("a", "3"); len(got) != 2 || got["a"] != "3" || got["b"] != "2" {
-		t.Errorf("fleet = %v; want a:3 b:2", got)
+	// Window k+1: a, b and c report for window k; nothing to read yet.
+	at(k+1, 100*time.Millisecond)
+	check("first", beat("a", 80), Heartbeat{Mine: -1})
+	beat("b", 15)
+	at(k+1, 900*time.Millisecond)
+	beat("c", 4)
+	beat("c", 5) // a second report in one window replaces the first
+	// Window k+2: they report for k+1 and read window k, all the same
+	// numbers, whatever they report now; d did not report for k.
+	at(k+2, 50*time.Millisecond)
+	check("a reads k", beat("a", 1000), Heartbeat{Reporters: 3, Total: 100, Mine: 80})
+	at(k+2, 500*time.Millisecond)
+	check("b reads k", beat("b", 0), Heartbeat{Reporters: 3, Total: 100, Mine: 15})
+	check("d reads k", beat("d", 7), Heartbeat{Reporters: 3, Total: 100, Mine: -1, Ticket: 1})
+	check("e reads k", beat("e", 7), Heartbeat{Reporters: 3, Total: 100, Mine: -1, Ticket: 2})
+	at(k+2, 999*time.Millisecond)
+	check("c reads k", beat("c", 3), Heartbeat{Reporters: 3, Total: 100, Mine: 5})
+	if h := beat("c", 3); h.Window(every) != k {
+		t.Errorf("Window = %d; want %d", h.Window(every), k)
 	}
-	// b's heartbeat expires 3 s after it was sent.
-	m.SetTime(t0.Add(4*time.Second + time.Millisecond))
-	if got := beat("a", "4"); len(got) != 1 || got["a"] != "4" {
-		t.Errorf("fleet after b expired = %v; want only a:4", got)
+	// Window k+3: window k+1 holds a 1000, b 0, c 3, d 7, e 7; c died.
+	at(k+3, 10*time.Millisecond)
+	check("a reads k+1", beat("a", 1), Heartbeat{Reporters: 5, Total: 1017, Mine: 1000})
+	// Window k+5: nobody reported during window k+4, so window k+3 is
+	// empty, and the hash of window k+3 is the one of window k, reused.
+	m.FastForward(3 * time.Second)
+	at(k+5, 10*time.Millisecond)
+	check("after a silent window", beat("a", 2), Heartbeat{Mine: -1})
+	at(k+6, 10*time.Millisecond)
+	check("a reads k+4", beat("a", 2), Heartbeat{Reporters: 1, Total: 2, Mine: 2})
+	// Window k+5's hash is read during window k+7, and reused for window
+	// k+8 during window k+9: it expires between the two.
+	if ttl := m.TTL("{fleet}:" + strconv.FormatInt((k+5)%3, 10)); ttl < 1990*time.Millisecond || ttl > 2990*time.Millisecond {
+		t.Errorf("TTL of window k+5's hash at k+6 plus 10ms = %v; want 1.99s to 2.99s", ttl)
 	}
-	if ttl := m.TTL("fleet"); ttl != 3*time.Second {
-		t.Errorf("fleet key TTL = %v; want 3s", ttl)
+	for _, bad := range []int64{-1} {
+		if _, err := Fleet(ctx, c, "{fleet}", "a", bad, every); err == nil {
+			t.Errorf("Fleet(admitted %d) = nil error; want the script's", bad)
+		}
 	}
 }
 

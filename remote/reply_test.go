@@ -120,3 +120,67 @@ func abs(v int64) int64 {
 	}
 	return v
 }
+
+func TestParseHeartbeat(t *testing.T) {
+	const now = int64(1764504000000)
+	for _, tc := range []struct {
+		reply any
+		want  Heartbeat
+	}{
+		{[]any{now, int64(0), int64(0), int64(-1), int64(0)}, Heartbeat{Now: now, Mine: -1}},
+		{[]any{now, int64(3), int64(100), int64(80), int64(0)}, Heartbeat{Now: now, Reporters: 3, Total: 100, Mine: 80}},
+		{[]any{now, int64(3), int64(0), int64(0), int64(0)}, Heartbeat{Now: now, Reporters: 3, Mine: 0}},
+		{[]any{now, int64(3), int64(100), int64(-1), int64(2)}, Heartbeat{Now: now, Reporters: 3, Total: 100, Mine: -1, Ticket: 2}},
+	} {
+		if got, err := parseHeartbeat(tc.reply); err != nil || got != tc.want {
+			t.Errorf("parseHeartbeat(%v) = %+v, %v; want %+v", tc.reply, got, err, tc.want)
+		}
+	}
+	for _, bad := range []any{
+		nil, "OK", int64(1), []any{}, []any{now, int64(0), int64(0), int64(-1)},
+		[]any{now, int64(0), int64(0), int64(-1), "0"},
+		[]any{int64(0), int64(0), int64(0), int64(-1), int64(0)},     // no time
+		[]any{now, int64(-1), int64(0), int64(-1), int64(0)},         // negative count
+		[]any{now, int64(2), int64(10), int64(11), int64(0)},         // more than the total
+		[]any{now, int64(2), int64(10), int64(-2), int64(1)},         // below -1
+		[]any{now, int64(2), int64(10), int64(5), int64(1)},          // counted and a ticket
+		[]any{now, int64(2), int64(10), int64(-1), int64(0)},         // neither
+		[]any{now, int64(0), int64(5), int64(-1), int64(0)},          // a total of nobody
+		[]any{now, int64(0), int64(0), int64(-1), int64(1)},          // a ticket for no window
+		[]any{now, int64(1), int64(1), int64(1), int64(0), int64(0)}, // too long
+	} {
+		if h, err := parseHeartbeat(bad); !errors.Is(err, ErrReply) {
+			t.Errorf("parseHeartbeat(%#v) = %+v, %v; want ErrReply", bad, h, err)
+		}
+	}
+}
+
+// FuzzParseHeartbeat: any reply of up to six integers or strings yields a
+// Heartbeat whose numbers agree, or ErrReply; never a panic.
+func FuzzParseHeartbeat(f *testing.F) {
+	f.Add(uint8(5), int64(1764504000000), int64(3), int64(100), int64(80), int64(0))
+	f.Add(uint8(5), int64(1764504000000), int64(3), int64(100), int64(-1), int64(2))
+	f.Add(uint8(0x85), int64(1), int64(0), int64(0), int64(-1), int64(0))
+	f.Fuzz(func(t *testing.T, shape uint8, a, b, c, d, e int64) {
+		nums := []int64{a, b, c, d, e}
+		n := int(shape&7) % 7
+		vals := make([]any, 0, n)
+		for i := 0; i < n; i++ {
+			var v any = nums[i%len(nums)]
+			if shape&0x80 != 0 && i == 3 {
+				v = "1"
+			}
+			vals = append(vals, v)
+		}
+		h, err := parseHeartbeat(vals)
+		if err != nil {
+			if !errors.Is(err, ErrReply) {
+				t.Fatalf("parseHeartbeat(%v) error %v does not wrap ErrReply", vals, err)
+			}
+			return
+		}
+		if h.Now <= 0 || h.Reporters < 0 || h.Total < 0 || h.Mine < -1 || h.Mine > h.Total || h.Ticket < 0 {
+			t.Fatalf("parseHeartbeat(%v) = %+v", vals, h)
+		}
+	})
+}
