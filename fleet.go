@@ -47,10 +47,12 @@ const (
 // 111 and 134 in 3 s), and the shares would follow the race, not the
 // traffic.
 //
-// Admitted tokens count as they are, without a lookup; only keys denied
-// in the window get an entry, which counts what they were offered since
-// their first denial. Their number is bounded (beyond it, the denials of
-// further keys do not count), and the entries go at each window's end.
+// Admitted tokens always count. Only keys near their limit get an entry
+// for the window: denied ones, and admitted ones whose bucket was left
+// with less than a window's refill; the entry counts what the key was
+// offered since, up to the key's limit (or what Redis admitted, if more).
+// The number of entries is bounded (beyond it, the denials of further
+// keys do not count), and the entries go at each window's end.
 type demand struct {
 	seed   maphash.Seed
 	window atomic.Int64 // bumped by the heartbeat at each window's end
@@ -60,8 +62,12 @@ type demand struct {
 type demandShard struct {
 	mu     sync.Mutex       // protects window and keys
 	window int64            // the window keys counts
-	keys   map[string]int64 // tokens counted for a denied key in window
+	keys   map[string]tally // keys near their limit in window
 }
+
+// tally is what one key was offered since it got an entry: counted is at
+// most the larger of the key's limit and admitted.
+type tally struct{ counted, admitted int64 }
 
 // demandShards spreads the counting of denials over locks; demandKeys
 // bounds the keys each shard counts in one window.
@@ -73,15 +79,16 @@ const (
 func newDemand() *demand {
 	d := &demand{seed: maphash.MakeSeed()}
 	for i := range d.shards {
-		d.shards[i].keys = make(map[string]int64)
+		d.shards[i].keys = make(map[string]tally)
 	}
 	return d
 }
 
 // tally counts one decision of n tokens on key that the limit decided:
-// Redis, or what Redis said of the key. limit is the key's tokens per
-// window. It returns the tokens it counted.
-func (d *demand) tally(key string, n int64, allowed bool, limit int64) int64 {
+// Redis, or what Redis said of the key, which left the bucket holding
+// left tokens. limit is the key's tokens per window. It returns the
+// tokens it counted.
+func (d *demand) tally(key string, n int64, allowed bool, left, limit int64) int64 {
 	s := &d.shards[maphash.String(d.seed, key)%demandShards]
 	w := d.window.Load()
 	s.mu.Lock()
@@ -90,29 +97,34 @@ func (d *demand) tally(key string, n int64, allowed bool, limit int64) int64 {
 		clear(s.keys)
 		s.window = w
 	}
-	c, seen := s.keys[key]
+	e, seen := s.keys[key]
+	if !seen && (allowed && left >= limit || len(s.keys) >= demandKeys) {
+		return n * b2i(allowed)
+	}
 	if allowed {
-		if seen {
-			s.keys[key] = c + n
-		}
-		return n
+		e.admitted += n
 	}
-	if !seen && len(s.keys) >= demandKeys {
-		return 0
-	}
-	add := max(min(n, limit-c), 0)
-	s.keys[key] = c + add
+	add := max(min(e.counted+n, max(limit, e.admitted))-e.counted, 0)
+	e.counted += add
+	s.keys[key] = e
 	return add
 }
 
-// tally counts a decision of n tokens on key for the fleet's weights; see
-// demand.
-func (lim *Limiter) tally(key string, n int64, ls *limits, allowed bool) {
+func b2i(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// tally counts a decision of n tokens on key for the fleet's weights,
+// which left key's bucket holding left tokens; see demand.
+func (lim *Limiter) tally(key string, n int64, ls *limits, allowed bool, left int64) {
 	if lim.demand == nil {
 		return
 	}
 	limit := int64(ls.Rate * lim.cfg.Heartbeat.Seconds())
-	lim.count.Add(lim.demand.tally(key, n, allowed, max(limit, 1)))
+	lim.count.Add(lim.demand.tally(key, n, allowed, left, max(limit, 1)))
 }
 
 // fleetKey returns the name the group's heartbeat keys start with, beside

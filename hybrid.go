@@ -357,7 +357,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	}
 	if !lim.cfg.noCache {
 		if lim.cached(key, n, ls, d) {
-			lim.tally(key, n, ls, false)
+			lim.tally(key, n, ls, false, 0)
 			return nil
 		}
 	}
@@ -376,7 +376,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	switch {
 	case err == nil:
 		ticket.Done(nil)
-		lim.tally(key, n, ls, res.Allowed)
+		lim.tally(key, n, ls, res.Allowed, res.Level/rl.P)
 		if res.Leased > 0 {
 			lim.shares.Lease(sent, key, res.Leased, sent.Add(lim.cfg.LeaseFor))
 		}
