@@ -377,8 +377,8 @@ func TestWeigh(t *testing.T) {
 	const every = time.Second
 	const m = 1_800_000_000 // the window the heartbeat reads
 	hb := func(reporters, total, mine, ticket int64) remote.Heartbeat {
-		// Redis is in window m+2, half-way through.
-		return remote.Heartbeat{Now: (m+2)*1000 + 500, Reporters: reporters, Total: total, Mine: mine, Ticket: ticket}
+		// Redis is in window m+3, half-way through.
+		return remote.Heartbeat{Now: (m+3)*1000 + 500, Reporters: reporters, Total: total, Mine: mine, Ticket: ticket}
 	}
 	start := &fleet{weight: 1.0 / 3, size: 3} // New's view: 1/Instances
 	tests := []struct {
@@ -450,7 +450,7 @@ func TestWeighSumsToAtMostOne(t *testing.T) {
 			}
 			hs := make([]remote.Heartbeat, n)
 			for _, i := range r.Perm(n) {
-				h := remote.Heartbeat{Now: (m+int64(w)+1)*1000 + 1, Mine: -1}
+				h := remote.Heartbeat{Now: (m+int64(w)+2)*1000 + 1, Mine: -1}
 				if reporters > 0 {
 					h.Reporters, h.Total = reporters, total
 					if reports[i][w] >= 0 {

@@ -133,21 +133,21 @@ func (lim *Limiter) fleetKey() string {
 	return lim.cfg.Prefix + "{hybridlimit-fleet:" + lim.cfg.Name + "}"
 }
 
-// heartbeat reports to the fleet once per window of Config.Heartbeat what
-// the limit admitted on this instance, and sizes the local share from the
-// fleet's reports it gets back. While Redis is away it keeps the last view.
+// heartbeat reports to the fleet once per window of Config.Heartbeat the
+// tokens offered on this instance (see demand) over its last reportWindows
+// windows, and sizes the local share from the fleet's reports it gets
+// back. While Redis is away it keeps the last view.
 //
 // Windows are aligned to Redis TIME (window k covers [k×Heartbeat,
 // (k+1)×Heartbeat)), the one clock every instance shares: this machine's
-// clock, corrected by what the last reply said, counts the tokens admitted
-// in each window, and the script files each report under the window before
-// the one Redis is in. So every instance counts over the same windows, and
-// the weights compare like with like: rates measured over different
-// intervals (one fresh, others a heartbeat old) overstate the growing ones.
-// Each instance reports at a random offset into the next window, so that
-// the fleet's heartbeats spread over the whole window; the offset keeps
-// clear of the window's edges, so that a late timer or a clock error of a
-// few milliseconds does not move a report into the next window.
+// clock, corrected by what the last reply said, counts the tokens in each
+// window, and the report names its window. So every instance counts over
+// the same windows, and the weights compare like with like: rates
+// measured over different intervals (one fresh, others a heartbeat old)
+// overstate the growing ones. Each instance reports at a random offset
+// into the next window, 5% to 90% of it, so that the fleet's heartbeats
+// spread over the whole window; Redis takes a report up to a window
+// later still, so that a late timer or a slow Redis does not drop it.
 func (lim *Limiter) heartbeat() {
 	defer lim.wg.Done()
 	every := lim.cfg.Heartbeat.Truncate(time.Millisecond)
@@ -181,23 +181,23 @@ func (lim *Limiter) heartbeat() {
 		n := lim.count.Load()
 		counts[k%reportWindows] = n - snap
 		snap = n
-		var admitted int64
+		var offered int64
 		for _, c := range counts {
-			admitted += c
+			offered += c
 		}
 		if !sleep(end.Add(offset)) {
 			return
 		}
-		if s, ok := lim.beat(admitted, every); ok {
+		if s, ok := lim.beat(k, offered, every); ok {
 			skew = s
 		}
 	}
 }
 
-// beat sends one heartbeat reporting admitted tokens and stores the new
-// view. It returns Redis TIME less this machine's clock, as the reply
-// says, and whether the heartbeat reached Redis.
-func (lim *Limiter) beat(admitted int64, every time.Duration) (time.Duration, bool) {
+// beat sends one heartbeat reporting offered tokens for window k and
+// stores the new view. It returns Redis TIME less this machine's clock, as
+// the reply says, and whether the heartbeat reached Redis.
+func (lim *Limiter) beat(k, offered int64, every time.Duration) (time.Duration, bool) {
 	if lim.single != nil && lim.single.cb.State() == breaker.StateOpen {
 		return 0, false
 	}
@@ -206,7 +206,7 @@ func (lim *Limiter) beat(admitted int64, every time.Duration) (time.Duration, bo
 	ctx, cancelTimeout := context.WithTimeout(ctx, every)
 	defer cancelTimeout()
 	sent := time.Now()
-	h, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), lim.id, admitted, every)
+	h, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), lim.id, k, offered, every)
 	if err != nil {
 		lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", err)
 		return 0, false

@@ -27,23 +27,25 @@ type Heartbeat struct {
 }
 
 // Window returns the index of the window h describes, for a window of
-// every: Redis TIME's window, less the two it takes to report and read.
+// every: Redis TIME's window, less the three in which reports for it are
+// accepted.
 func (h Heartbeat) Window(every time.Duration) int64 {
-	return h.Now/every.Milliseconds() - 2
+	return h.Now/every.Milliseconds() - 3
 }
 
-// Fleet sends one heartbeat of instance id: admitted is what the limit
-// admitted on it in its last window of length every (whole milliseconds,
-// the same for the whole group). The group's windows live in three hashes
-// named base+":0", ":1", ":2"; base must carry a hash tag so that they
-// share a Cluster slot. Redis's cost and the reply's size do not depend on
+// Fleet sends one heartbeat of instance id: offered is what it counted in
+// window of Redis TIME (of length every: whole milliseconds, the same for
+// the whole group). Redis takes the report while it is in that window or
+// one of the next two. The group's windows live in four hashes named
+// base+":0" to ":3"; base must carry a hash tag so that they share a
+// Cluster slot. Redis's cost and the reply's size do not depend on
 // the fleet's size. Like Take, the call is never retried but for NOSCRIPT.
 // Fleet waits as long as the client does: call it from a goroutine that
 // may wait.
-func Fleet(ctx context.Context, c redis.UniversalClient, base, id string, admitted int64, every time.Duration) (Heartbeat, error) {
+func Fleet(ctx context.Context, c redis.UniversalClient, base, id string, window, offered int64, every time.Duration) (Heartbeat, error) {
 	args := func(verb, script string) noRetryCmd {
-		return noRetryCmd{redis.NewCmd(ctx, verb, script, 3, base+":0", base+":1", base+":2", id,
-			strconv.FormatInt(admitted, 10), strconv.FormatInt(every.Milliseconds(), 10))}
+		return noRetryCmd{redis.NewCmd(ctx, verb, script, 4, base+":0", base+":1", base+":2", base+":3", id,
+			strconv.FormatInt(window, 10), strconv.FormatInt(offered, 10), strconv.FormatInt(every.Milliseconds(), 10))}
 	}
 	cmd := args("evalsha", fleetScript.sha)
 	err := c.Process(ctx, cmd)

@@ -318,26 +318,26 @@ func TestCharge(t *testing.T) {
 	run(t, m, p, "k", lim, []step{{250 * time.Millisecond, 2, false, 1, 50 * time.Millisecond}})
 }
 
-// TestFleet: reports for window k-1 are accepted during window k and read
-// during window k+1, the same numbers for every reader; a late report
-// replaces, an instance that did not report gets a ticket, and an old
-// window's hash is dropped when the ring comes back to it.
+// TestFleet: a report for window j is accepted during windows j to j+2
+// and read during window j+3, the same numbers for every reader; a second
+// report replaces the first, a report too late is dropped, an instance
+// that did not report gets a ticket, and an old window's hash is dropped
+// when the ring comes back to it.
 func TestFleet(t *testing.T) {
 	m, _ := newMini(t)
 	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
 	defer c.Close()
 	ctx := context.Background()
 	const every = time.Second
-	// Window k of Redis TIME, plus at.
 	k := t0.UnixMilli() / 1000
 	at := func(window int64, at time.Duration) {
 		m.SetTime(time.UnixMilli(window * 1000).Add(at))
 	}
-	beat := func(id string, admitted int64) Heartbeat {
+	beat := func(id string, window, offered int64) Heartbeat {
 		t.Helper()
-		h, err := Fleet(ctx, c, "{fleet}", id, admitted, every)
+		h, err := Fleet(ctx, c, "{fleet}", id, window, offered, every)
 		if err != nil {
-			t.Fatalf("Fleet(%q, %d) = %v", id, admitted, err)
+			t.Fatalf("Fleet(%q, %d, %d) = %v", id, window, offered, err)
 		}
 		return h
 	}
@@ -348,45 +348,46 @@ func TestFleet(t *testing.T) {
 			t.Errorf("%s: Fleet = %+v; want %+v", what, got, want)
 		}
 	}
-	// Window k+1: a, b and c report for window k; nothing to read yet.
+	none := Heartbeat{Mine: -1}
+	// Reports for window k: early (during k), on time, late, too late.
+	at(k, 990*time.Millisecond)
+	check("first", beat("a", k, 80), none)
 	at(k+1, 100*time.Millisecond)
-	check("first", beat("a", 80), Heartbeat{Mine: -1})
-	beat("b", 15)
-	at(k+1, 900*time.Millisecond)
-	beat("c", 4)
-	beat("c", 5) // a second report in one window replaces the first
-	// Window k+2: they report for k+1 and read window k, all the same
-	// numbers, whatever they report now; d did not report for k.
-	at(k+2, 50*time.Millisecond)
-	check("a reads k", beat("a", 1000), Heartbeat{Reporters: 3, Total: 100, Mine: 80})
-	at(k+2, 500*time.Millisecond)
-	check("b reads k", beat("b", 0), Heartbeat{Reporters: 3, Total: 100, Mine: 15})
-	check("d reads k", beat("d", 7), Heartbeat{Reporters: 3, Total: 100, Mine: -1, Ticket: 1})
-	check("e reads k", beat("e", 7), Heartbeat{Reporters: 3, Total: 100, Mine: -1, Ticket: 2})
-	at(k+2, 999*time.Millisecond)
-	check("c reads k", beat("c", 3), Heartbeat{Reporters: 3, Total: 100, Mine: 5})
-	if h := beat("c", 3); h.Window(every) != k {
+	beat("b", k, 15)
+	at(k+2, 900*time.Millisecond)
+	beat("c", k, 4)
+	beat("c", k, 5) // a second report for one window replaces the first
+	// Window k+3: window k is read, the same numbers for everyone.
+	at(k+3, 50*time.Millisecond)
+	check("a reads k", beat("a", k+2, 1000), Heartbeat{Reporters: 3, Total: 100, Mine: 80})
+	// Too late for window k, which is being read: z is not counted.
+	check("z reads k", beat("z", k, 1000), Heartbeat{Reporters: 3, Total: 100, Mine: -1, Ticket: 1})
+	check("b reads k", beat("b", k+2, 0), Heartbeat{Reporters: 3, Total: 100, Mine: 15})
+	check("d reads k", beat("d", k+2, 7), Heartbeat{Reporters: 3, Total: 100, Mine: -1, Ticket: 2})
+	check("e reads k", beat("e", k+2, 7), Heartbeat{Reporters: 3, Total: 100, Mine: -1, Ticket: 3})
+	at(k+3, 999*time.Millisecond)
+	h := beat("c", k+2, 3)
+	check("c reads k", h, Heartbeat{Reporters: 3, Total: 100, Mine: 5})
+	if h.Window(every) != k {
 		t.Errorf("Window = %d; want %d", h.Window(every), k)
 	}
-	// Window k+3: window k+1 holds a 1000, b 0, c 3, d 7, e 7; c died.
-	at(k+3, 10*time.Millisecond)
-	check("a reads k+1", beat("a", 1), Heartbeat{Reporters: 5, Total: 1017, Mine: 1000})
-	// Window k+5: nobody reported during window k+4, so window k+3 is
-	// empty, and the hash of window k+3 is the one of window k, reused.
-	m.FastForward(3 * time.Second)
+	// Window k+5: window k+2 holds a 1000, b 0, c 3, d 7, e 7.
 	at(k+5, 10*time.Millisecond)
-	check("after a silent window", beat("a", 2), Heartbeat{Mine: -1})
-	at(k+6, 10*time.Millisecond)
-	check("a reads k+4", beat("a", 2), Heartbeat{Reporters: 1, Total: 2, Mine: 2})
-	// Window k+5's hash is read during window k+7, and reused for window
-	// k+8 during window k+9: it expires between the two.
-	if ttl := m.TTL("{fleet}:" + strconv.FormatInt((k+5)%3, 10)); ttl < 1990*time.Millisecond || ttl > 2990*time.Millisecond {
-		t.Errorf("TTL of window k+5's hash at k+6 plus 10ms = %v; want 1.99s to 2.99s", ttl)
+	check("a reads k+2", beat("a", k+4, 1), Heartbeat{Reporters: 5, Total: 1017, Mine: 1000})
+	// Window k+8: nobody reported for window k+5; window k+4's hash was
+	// reused for window k+8.
+	m.FastForward(3 * time.Second)
+	at(k+8, 10*time.Millisecond)
+	check("after silent windows", beat("a", k+8, 2), none)
+	at(k+11, 10*time.Millisecond)
+	check("a reads k+8", beat("a", k+10, 2), Heartbeat{Reporters: 1, Total: 2, Mine: 2})
+	// Window k+10's hash is read during window k+13, and reused for
+	// window k+14 from window k+14 on: it expires between the two.
+	if ttl := m.TTL("{fleet}:" + strconv.FormatInt((k+10)%4, 10)); ttl < 3*time.Second || ttl > 4*time.Second {
+		t.Errorf("TTL of window k+10's hash at k+11 plus 10ms = %v; want 3s to 4s", ttl)
 	}
-	for _, bad := range []int64{-1} {
-		if _, err := Fleet(ctx, c, "{fleet}", "a", bad, every); err == nil {
-			t.Errorf("Fleet(admitted %d) = nil error; want the script's", bad)
-		}
+	if _, err := Fleet(ctx, c, "{fleet}", "a", k+11, -1, every); err == nil {
+		t.Error("Fleet(offered -1) = nil error; want the script's")
 	}
 }
 
