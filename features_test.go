@@ -374,17 +374,19 @@ func TestRefund(t *testing.T) {
 }
 
 func TestWeigh(t *testing.T) {
-	const every = time.Second
 	const m = 1_800_000_000 // the window the heartbeat reads
-	hb := func(reporters, total, mine, ticket int64) remote.Heartbeat {
-		// Redis is in window m+3, half-way through.
-		return remote.Heartbeat{Now: (m+3)*1000 + 500, Reporters: reporters, Total: total, Mine: mine, Ticket: ticket}
+	type beat struct {
+		h    remote.Heartbeat
+		mine int64
+	}
+	hb := func(reporters, total, mine, ticket int64) beat {
+		return beat{remote.Heartbeat{Window: m, Now: (m+3)*1000 + 500, Taken: true, Reporters: reporters, Total: total, Ticket: ticket}, mine}
 	}
 	start := &fleet{weight: 1.0 / 3, size: 3} // New's view: 1/Instances
 	tests := []struct {
 		name string
 		prev *fleet
-		h    remote.Heartbeat
+		h    beat
 		want float64
 		size int
 	}{
@@ -399,6 +401,7 @@ func TestWeigh(t *testing.T) {
 		{"not counted, first", start, hb(3, 100, -1, 1), 0.01 / 2, 4},
 		{"not counted, second", start, hb(3, 100, -1, 2), 0.01 / 4, 4},
 		{"not counted, the millionth", start, hb(3, 100, -1, 1e6), 0, 4},
+		{"more than the total", start, hb(3, 100, 101, 0), 0, 4},
 		// The lesser of the last two windows' parts, if they follow.
 		{"rising", &fleet{weight: 0.5, window: m - 1, raw: 0.5}, hb(3, 100, 80, 0), 0.5, 3},
 		{"falling", &fleet{weight: 0.9, window: m - 1, raw: 0.9}, hb(3, 100, 5, 0), 0.9*0.05 + 0.09/3, 3},
@@ -406,7 +409,7 @@ func TestWeigh(t *testing.T) {
 		{"read twice", &fleet{weight: 0.25, size: 7, window: m, raw: 0.3}, hb(3, 100, 80, 0), 0.25, 7},
 	}
 	for _, tt := range tests {
-		got := weigh(tt.h, tt.prev, every)
+		got := weigh(tt.h.h, tt.h.mine, tt.prev)
 		if math.Abs(got.weight-tt.want) > 1e-12 || got.size != tt.size {
 			t.Errorf("%s: weigh(%+v) = %+v; want weight %v, size %d", tt.name, tt.h, *got, tt.want, tt.size)
 		}
@@ -418,7 +421,6 @@ func TestWeigh(t *testing.T) {
 // the last window's parts, others the one before), the parts held add up
 // to at most 1.
 func TestWeighSumsToAtMostOne(t *testing.T) {
-	const every = time.Second
 	const m = 1_800_000_000
 	r := rand.New(rand.NewPCG(1, 2))
 	for trial := range 2000 {
@@ -450,12 +452,10 @@ func TestWeighSumsToAtMostOne(t *testing.T) {
 			}
 			hs := make([]remote.Heartbeat, n)
 			for _, i := range r.Perm(n) {
-				h := remote.Heartbeat{Now: (m+int64(w)+2)*1000 + 1, Mine: -1}
+				h := remote.Heartbeat{Window: m + int64(w) - 1, Now: (m+int64(w)+2)*1000 + 1}
 				if reporters > 0 {
 					h.Reporters, h.Total = reporters, total
-					if reports[i][w] >= 0 {
-						h.Mine = reports[i][w]
-					} else {
+					if reports[i][w] < 0 {
 						tickets++
 						h.Ticket = tickets
 					}
@@ -468,10 +468,10 @@ func TestWeighSumsToAtMostOne(t *testing.T) {
 		var sum float64
 		for i := range n {
 			v := &fleet{weight: 1.0 / 3, size: 3}
-			v = weigh(before[i], v, every)
-			v = weigh(last[i], v, every)
+			v = weigh(before[i], reports[i][0], v)
+			v = weigh(last[i], reports[i][1], v)
 			if r.IntN(2) == 0 { // this one has read the next window already
-				v = weigh(next[i], v, every)
+				v = weigh(next[i], reports[i][2], v)
 			}
 			if v.window == 0 {
 				continue // no window yet: 1/Instances, the configured guess

@@ -147,7 +147,8 @@ func (lim *Limiter) fleetKey() string {
 // overstate the growing ones. Each instance reports at a random offset
 // into the next window, 5% to 90% of it, so that the fleet's heartbeats
 // spread over the whole window; Redis takes a report up to a window
-// later still, so that a late timer or a slow Redis does not drop it.
+// later still, so that a late timer or a slow Redis does not drop it, and
+// the window read is the one before the last reported: two windows old.
 func (lim *Limiter) heartbeat() {
 	defer lim.wg.Done()
 	every := lim.cfg.Heartbeat.Truncate(time.Millisecond)
@@ -165,7 +166,8 @@ func (lim *Limiter) heartbeat() {
 	}
 	var skew time.Duration // Redis TIME less this machine's clock
 	snap := lim.count.Load()
-	var counts [reportWindows]int64 // admitted in the last windows, a ring
+	var counts [reportWindows]int64 // offered in the last windows, a ring
+	var sent [4]report              // the last reports Redis took, a ring
 	prev := int64(math.MinInt64)
 	for {
 		// A window at a time, even if the skew moves back.
@@ -188,41 +190,60 @@ func (lim *Limiter) heartbeat() {
 		if !sleep(end.Add(offset)) {
 			return
 		}
-		if s, ok := lim.beat(k, offered, every); ok {
+		// Window k-2 is read: this instance's part of it is its report,
+		// if Redis took it.
+		mine := int64(-1)
+		if r := sent[(k-2)%4]; r.window == k-2 && r.taken {
+			mine = r.tokens
+		}
+		s, taken, ok := lim.beat(k, offered, mine, every)
+		if ok {
 			skew = s
 		}
+		sent[k%4] = report{window: k, tokens: min(offered, remote.MaxReport), taken: taken}
 	}
 }
 
+// report is one heartbeat's report, as this instance remembers it.
+type report struct {
+	window, tokens int64
+	taken          bool // Redis said it counted it
+}
+
 // beat sends one heartbeat reporting offered tokens for window k and
-// stores the new view. It returns Redis TIME less this machine's clock, as
-// the reply says, and whether the heartbeat reached Redis.
-func (lim *Limiter) beat(k, offered int64, every time.Duration) (time.Duration, bool) {
+// stores the new view; mine is this instance's report in the window read
+// (k-2), -1 if it was not counted there or may not have been. It returns
+// Redis TIME less this machine's clock, as the reply says, whether Redis
+// took the report, and whether the heartbeat reached Redis.
+func (lim *Limiter) beat(k, offered, mine int64, every time.Duration) (time.Duration, bool, bool) {
 	if lim.single != nil && lim.single.cb.State() == breaker.StateOpen {
-		return 0, false
+		return 0, false, false
 	}
 	ctx, cancel := lim.background()
 	defer cancel()
 	ctx, cancelTimeout := context.WithTimeout(ctx, every)
 	defer cancelTimeout()
 	sent := time.Now()
-	h, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), lim.id, k, offered, every)
+	h, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), k, offered, mine < 0, every)
 	if err != nil {
+		// The report may have been counted or not: not knowing, the
+		// instance counts itself out of that window (which keeps the sum
+		// at most 1 either way).
 		lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", err)
-		return 0, false
+		return 0, false, false
 	}
 	rtt := time.Since(sent)
-	lim.view.Store(weigh(h, lim.view.Load(), every))
-	return time.UnixMilli(h.Now).Sub(sent.Add(rtt / 2)), true
+	lim.view.Store(weigh(h, mine, lim.view.Load()))
+	return time.UnixMilli(h.Now).Sub(sent.Add(rtt / 2)), h.Taken, true
 }
 
 // weigh returns the view after heartbeat h, given the view before, prev.
 //
 // The window h describes was reported by Reporters instances, Total tokens
 // in all, and every instance that reads it reads the same numbers. One
-// that reported Mine of them gets
+// that reported mine of them gets
 //
-//	(1-evenPart) × Mine/Total + (evenPart-reservePart)/Reporters
+//	(1-evenPart) × mine/Total + (evenPart-reservePart)/Reporters
 //
 // (an even split of the traffic part if Total is 0), and these add up to
 // 1 - reservePart. The reserve is for the instances that did not report
@@ -240,21 +261,23 @@ func (lim *Limiter) beat(k, offered int64, every time.Duration) (time.Duration, 
 // Before any window was reported (the fleet has just started, or Redis
 // was away for a whole window) the view stays as it was: 1/Instances
 // before the first heartbeat.
-func weigh(h remote.Heartbeat, prev *fleet, every time.Duration) *fleet {
-	m := h.Window(every)
+func weigh(h remote.Heartbeat, mine int64, prev *fleet) *fleet {
+	m := h.Window
 	if h.Reporters == 0 || m == prev.window {
 		return prev
 	}
 	n := float64(h.Reporters)
 	v := &fleet{size: int(h.Reporters), window: m}
-	if h.Mine >= 0 {
+	if mine >= 0 && mine <= h.Total {
 		part := 1 / n
 		if h.Total > 0 {
-			part = float64(h.Mine) / float64(h.Total)
+			part = float64(mine) / float64(h.Total)
 		}
 		v.raw = (1-evenPart)*part + (evenPart-reservePart)/n
 	} else {
-		v.raw = math.Ldexp(reservePart, -int(min(h.Ticket, 1100)))
+		if h.Ticket > 0 { // else counted, Redis says, in nothing: no part
+			v.raw = math.Ldexp(reservePart, -int(min(h.Ticket, 1100)))
+		}
 		v.size++
 	}
 	v.weight = v.raw

@@ -1,74 +1,62 @@
 -- hybridlimit fleet: one heartbeat of one limiter instance.
 --
--- KEYS[1..4]  a ring of four hashes, one per window of the group's clock;
---             the caller gives them one hash tag, so they share a Cluster slot
--- ARGV[1]     this instance's id
--- ARGV[2]     the window it reports for (window j covers [j*w, (j+1)*w) ms
---             of Redis TIME)
--- ARGV[3]     the tokens offered to the limit on this instance in it (a
---             whole number >= 0)
--- ARGV[4]     the window, in milliseconds (the group's Heartbeat)
+-- KEYS[1]  the hash of window j, which this instance reports for
+-- KEYS[2]  the hash of window i, which it reads
+--          (the caller gives every key of a group one hash tag, so that
+--          they share a Cluster slot)
+-- ARGV[1]  j: window j covers [j*w, (j+1)*w) ms of Redis TIME
+-- ARGV[2]  its report, packed: tokens * 2^20 + 1
+-- ARGV[3]  i
+-- ARGV[4]  w, the window in milliseconds (the group's Heartbeat)
+-- ARGV[5]  '1' if it wants a ticket for window i, else '0'
 --
--- Redis is in window r. A report for window j is accepted while r is j,
--- j+1 or j+2 (a heartbeat may come up to a window late), into
--- KEYS[j%4+1]: field <id> holds it, '#t' the sum of the reports, '#n' how
--- many instances reported, '#k' which window the hash holds. Window r-3 is
--- read, which no report can change any more, so every instance that reads
--- a window reads the same numbers: the parts computed from them add up to
--- at most 1. An instance that did not report for the window it reads (it
--- has just started, or its heartbeat was lost) takes a ticket '#c'
--- instead, which gives it a part of a reserve (see fleet.go).
+-- Redis is in window r. A report for window j is taken while r is j, j+1
+-- or j+2 (a heartbeat may come up to a window late), and added to '#t',
+-- which packs the tokens reported and, in its low 20 bits, the instances
+-- that reported. Each instance sends one report per window and remembers
+-- the ones taken. Window i is read only once no report can change it
+-- (i <= r-3), so every instance that reads a window reads the same sum:
+-- the parts computed from it add up to at most 1. An instance that was
+-- not counted in the window it reads (it has just started, or its report
+-- was lost) takes a ticket '#c' instead, which gives it a part of a
+-- reserve (see fleet.go).
 --
--- Every call costs the same whatever the fleet's size: a few hash
--- operations, and a reply of five integers:
---   {now_ms, reporters, total, mine (-1: not among them), ticket (0: none)}
--- A window's hash expires after it has been read; a hash found holding an
--- older window is unlinked (freed off the main thread).
+-- The script runs on the one shard every instance of the group shares, so
+-- it does as little as it can: TIME, one HINCRBY and one HGET whatever the
+-- fleet's size, the packed numbers passed through as strings. Its reply:
+--   {now_ms, taken (1 or 0), sum ('#t' of window i, or 0), ticket (or 0)}
+-- sum is 0 if window i is not closed yet, or nobody reported for it. A
+-- window's hash expires once it can no longer be read.
 
-local id = ARGV[1]
-local j = tonumber(ARGV[2])
-local count = tonumber(ARGV[3])
-local w = tonumber(ARGV[4])
-if not j or j % 1 ~= 0 or not count or count < 0 or count % 1 ~= 0 or not w or w < 1 or w % 1 ~= 0 then
-  return redis.error_reply('ERR hybridlimit fleet: bad report or window')
+-- The report is checked by HINCRBY (an integer, or an error before any
+-- write); the windows here.
+local j, i, w = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if not (j and i and w) or j % 1 ~= 0 or i % 1 ~= 0 or w < 1 or w % 1 ~= 0 then
+  return redis.error_reply('ERR hybridlimit fleet: bad arguments')
 end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local k = math.floor(now / w)
+local r = math.floor(now / w)
 
-if j >= k - 2 and j <= k then
-  local wkey = KEYS[j % 4 + 1]
-  local wtag = string.format('%.0f', j)
-  if redis.call('HGET', wkey, '#k') ~= wtag then
-    redis.call('UNLINK', wkey)
-    redis.call('HSET', wkey, '#k', wtag)
+local taken = 0
+if j >= r - 2 and j <= r then
+  -- An overflow (2^43 tokens) is an error, and nothing is written.
+  local sum = redis.call('HINCRBY', KEYS[1], '#t', ARGV[2])
+  taken = 1
+  if sum == tonumber(ARGV[2]) then
+    -- The first report: window j is read until window j+4 ends.
+    redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', (j + 5) * w))
   end
-  local c = string.format('%.0f', count)
-  local old = redis.call('HGET', wkey, id)
-  redis.call('HSET', wkey, id, c)
-  if old then
-    -- A second report for one window replaces the first.
-    redis.call('HINCRBY', wkey, '#t', string.format('%.0f', count - tonumber(old)))
-  else
-    redis.call('HINCRBY', wkey, '#t', c)
-    redis.call('HINCRBY', wkey, '#n', 1)
-  end
-  -- Read during window j+3.
-  redis.call('PEXPIREAT', wkey, string.format('%.0f', (j + 4) * w + math.floor(w / 2)))
 end
 
--- Read window k-3, closed since window k began.
-local rkey = KEYS[(k - 3) % 4 + 1]
-local v = redis.call('HMGET', rkey, '#k', '#n', '#t', id)
-local n, total, mine, ticket = 0, 0, -1, 0
-if v[1] == string.format('%.0f', k - 3) then
-  n = tonumber(v[2]) or 0
-  total = tonumber(v[3]) or 0
-  if v[4] then
-    mine = tonumber(v[4])
-  else
-    ticket = redis.call('HINCRBY', rkey, '#c', 1)
+if i <= r - 3 then
+  local sum = redis.call('HGET', KEYS[2], '#t')
+  if sum then
+    if ARGV[5] == '1' then
+      return {now, taken, sum, redis.call('HINCRBY', KEYS[2], '#c', 1)}
+    end
+    return {now, taken, sum, 0}
   end
 end
-return {now, n, total, mine, ticket}
+return {now, taken, 0, 0}

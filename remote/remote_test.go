@@ -12,6 +12,8 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
 )
 
 // t0 is a fixed Redis TIME for the script tests.
@@ -318,11 +320,11 @@ func TestCharge(t *testing.T) {
 	run(t, m, p, "k", lim, []step{{250 * time.Millisecond, 2, false, 1, 50 * time.Millisecond}})
 }
 
-// TestFleet: a report for window j is accepted during windows j to j+2
-// and read during window j+3, the same numbers for every reader; a second
-// report replaces the first, a report too late is dropped, an instance
-// that did not report gets a ticket, and an old window's hash is dropped
-// when the ring comes back to it.
+// TestFleet: a report for window j is taken during windows j to j+2, and
+// window j is read once closed, during window j+3, the same sum for every
+// reader; a report too late is not taken, an instance not counted gets a
+// ticket if it asks, and a window's hash expires once it can no longer be
+// read.
 func TestFleet(t *testing.T) {
 	m, _ := newMini(t)
 	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
@@ -333,61 +335,76 @@ func TestFleet(t *testing.T) {
 	at := func(window int64, at time.Duration) {
 		m.SetTime(time.UnixMilli(window * 1000).Add(at))
 	}
-	beat := func(id string, window, offered int64) Heartbeat {
+	// beat reports for window and reads window-2.
+	beat := func(window, offered int64, ticket bool) Heartbeat {
 		t.Helper()
-		h, err := Fleet(ctx, c, "{fleet}", id, window, offered, every)
+		h, err := Fleet(ctx, c, "{fleet}", window, offered, ticket, every)
 		if err != nil {
-			t.Fatalf("Fleet(%q, %d, %d) = %v", id, window, offered, err)
+			t.Fatalf("Fleet(%d, %d, %v) = %v", window, offered, ticket, err)
+		}
+		if h.Window != window-2 {
+			t.Errorf("Fleet(%d) read window %d; want %d", window, h.Window, window-2)
 		}
 		return h
 	}
 	check := func(what string, got, want Heartbeat) {
 		t.Helper()
-		want.Now = got.Now
+		want.Now, want.Window = got.Now, got.Window
 		if got != want {
 			t.Errorf("%s: Fleet = %+v; want %+v", what, got, want)
 		}
 	}
-	none := Heartbeat{Mine: -1}
-	// Reports for window k: early (during k), on time, late, too late.
+	// Reports for window k: early (during k), on time, late.
 	at(k, 990*time.Millisecond)
-	check("first", beat("a", k, 80), none)
+	check("first", beat(k, 80, false), Heartbeat{Taken: true})
 	at(k+1, 100*time.Millisecond)
-	beat("b", k, 15)
+	beat(k, 15, false)
 	at(k+2, 900*time.Millisecond)
-	beat("c", k, 4)
-	beat("c", k, 5) // a second report for one window replaces the first
-	// Window k+3: window k is read, the same numbers for everyone.
+	beat(k, 5, true) // no ticket for a window not closed
+	// Read too early, window k+2 is not there.
+	if h := beat(k+4, 0, false); h.Reporters != 0 || h.Taken {
+		t.Errorf("report for k+4 and read of k+2 during window k+2: %+v; want neither", h)
+	}
+	// Window k+3: window k is closed, the same sum for everyone.
 	at(k+3, 50*time.Millisecond)
-	check("a reads k", beat("a", k+2, 1000), Heartbeat{Reporters: 3, Total: 100, Mine: 80})
-	// Too late for window k, which is being read: z is not counted.
-	check("z reads k", beat("z", k, 1000), Heartbeat{Reporters: 3, Total: 100, Mine: -1, Ticket: 1})
-	check("b reads k", beat("b", k+2, 0), Heartbeat{Reporters: 3, Total: 100, Mine: 15})
-	check("d reads k", beat("d", k+2, 7), Heartbeat{Reporters: 3, Total: 100, Mine: -1, Ticket: 2})
-	check("e reads k", beat("e", k+2, 7), Heartbeat{Reporters: 3, Total: 100, Mine: -1, Ticket: 3})
-	at(k+3, 999*time.Millisecond)
-	h := beat("c", k+2, 3)
-	check("c reads k", h, Heartbeat{Reporters: 3, Total: 100, Mine: 5})
-	if h.Window(every) != k {
-		t.Errorf("Window = %d; want %d", h.Window(every), k)
-	}
-	// Window k+5: window k+2 holds a 1000, b 0, c 3, d 7, e 7.
+	check("reads k", beat(k+2, 1000, false), Heartbeat{Taken: true, Reporters: 3, Total: 100})
+	check("too late for k", beat(k, 1000, true), Heartbeat{})
+	check("not counted", beat(k+2, 0, true), Heartbeat{Taken: true, Reporters: 3, Total: 100, Ticket: 1})
+	check("not counted either", beat(k+2, 0, true), Heartbeat{Taken: true, Reporters: 3, Total: 100, Ticket: 2})
 	at(k+5, 10*time.Millisecond)
-	check("a reads k+2", beat("a", k+4, 1), Heartbeat{Reporters: 5, Total: 1017, Mine: 1000})
-	// Window k+8: nobody reported for window k+5; window k+4's hash was
-	// reused for window k+8.
-	m.FastForward(3 * time.Second)
-	at(k+8, 10*time.Millisecond)
-	check("after silent windows", beat("a", k+8, 2), none)
-	at(k+11, 10*time.Millisecond)
-	check("a reads k+8", beat("a", k+10, 2), Heartbeat{Reporters: 1, Total: 2, Mine: 2})
-	// Window k+10's hash is read during window k+13, and reused for
-	// window k+14 from window k+14 on: it expires between the two.
-	if ttl := m.TTL("{fleet}:" + strconv.FormatInt((k+10)%4, 10)); ttl < 3*time.Second || ttl > 4*time.Second {
-		t.Errorf("TTL of window k+10's hash at k+11 plus 10ms = %v; want 3s to 4s", ttl)
+	check("reads k+2", beat(k+4, 1, false), Heartbeat{Taken: true, Reporters: 3, Total: 1000})
+	// Window k+2's hash can be read until window k+6 ends: its first
+	// report, at window k+3 plus 50ms, set it to expire then (miniredis
+	// does not count TTLs down with SetTime).
+	if ttl := m.TTL("{fleet}:" + strconv.FormatInt(k+2, 10)); ttl != 4*time.Second-50*time.Millisecond {
+		t.Errorf("TTL of window k+2's hash = %v; want until window k+7", ttl)
 	}
-	if _, err := Fleet(ctx, c, "{fleet}", "a", k+11, -1, every); err == nil {
-		t.Error("Fleet(offered -1) = nil error; want the script's")
+}
+
+// TestFleetOverflow: on redis-server, a sum that would overflow is an
+// error and writes nothing: the window holds exactly the reports taken.
+func TestFleetOverflow(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client(t)
+	ctx := context.Background()
+	const every = time.Hour // one window for the whole test
+	now, err := c.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := now.UnixMilli() / every.Milliseconds()
+	var taken int64
+	for range 3000 {
+		if h, err := Fleet(ctx, c, "{big}", k, MaxReport, false, every); err == nil && h.Taken {
+			taken++
+		}
+	}
+	sum, err := c.HGet(ctx, "{big}:"+strconv.FormatInt(k, 10), "#t").Int64()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if taken == 3000 || sum != taken*(MaxReport<<reporterBits|1) {
+		t.Errorf("%d of 3000 reports taken, sum %d; want the overflow refused and every one taken counted", taken, sum)
 	}
 }
 
