@@ -151,6 +151,8 @@ func (lim *Limiter) fleetKey() string {
 // the window read is the one before the last reported: two windows old.
 func (lim *Limiter) heartbeat() {
 	defer lim.wg.Done()
+	ctx, cancel := lim.background() // Close ends a heartbeat in flight
+	defer cancel()
 	every := lim.cfg.Heartbeat.Truncate(time.Millisecond)
 	offset := every/20 + time.Duration(rand.Int64N(int64(every)*17/20))
 	t := time.NewTimer(time.Hour)
@@ -196,7 +198,7 @@ func (lim *Limiter) heartbeat() {
 		if r := sent[(k-2)%4]; r.window == k-2 && r.taken {
 			mine = r.tokens
 		}
-		s, taken, ok := lim.beat(k, offered, mine, every)
+		s, taken, ok := lim.beat(ctx, k, offered, mine, every)
 		if ok {
 			skew = s
 		}
@@ -215,14 +217,12 @@ type report struct {
 // (k-2), -1 if it was not counted there or may not have been. It returns
 // Redis TIME less this machine's clock, as the reply says, whether Redis
 // took the report, and whether the heartbeat reached Redis.
-func (lim *Limiter) beat(k, offered, mine int64, every time.Duration) (time.Duration, bool, bool) {
+func (lim *Limiter) beat(ctx context.Context, k, offered, mine int64, every time.Duration) (time.Duration, bool, bool) {
 	if lim.single != nil && lim.single.cb.State() == breaker.StateOpen {
 		return 0, false, false
 	}
-	ctx, cancel := lim.background()
+	ctx, cancel := context.WithTimeout(ctx, every)
 	defer cancel()
-	ctx, cancelTimeout := context.WithTimeout(ctx, every)
-	defer cancelTimeout()
 	sent := time.Now()
 	h, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), k, offered, mine < 0, every)
 	if err != nil {
