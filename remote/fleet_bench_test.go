@@ -21,8 +21,22 @@ import (
 //
 //	go test -run '^$' -bench FleetRedis -benchtime 40000x ./remote
 //
-// so that every member reports in several windows at 10,000.
+// so that every member reports in several windows at 10,000. PING, sent
+// the same way, shows what any command costs Redis's CPU beside the
+// script: reading, parsing and answering it.
 func BenchmarkFleetRedis(b *testing.B) {
+	b.Run("PING", func(b *testing.B) {
+		srv := redistest.Start(b)
+		c := srv.Client(b)
+		ctx := context.Background()
+		cpu0 := redisCPU(b, srv)
+		for b.Loop() {
+			if err := c.Ping(ctx).Err(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.ReportMetric((redisCPU(b, srv)-cpu0)*1e6/float64(b.N), "cpu-µs/op")
+	})
 	for _, members := range []int{10, 100, 1000, 10000} {
 		b.Run("members="+strconv.Itoa(members), func(b *testing.B) {
 			srv := redistest.Start(b)
@@ -47,12 +61,11 @@ func BenchmarkFleetRedis(b *testing.B) {
 				}
 				return 0
 			}
-			cpu := func() float64 { return info("cpu", "used_cpu_user:") + info("cpu", "used_cpu_sys:") }
 			if err := Load(ctx, c); err != nil {
 				b.Fatal(err)
 			}
 			srv.Do(b, "CONFIG", "RESETSTAT")
-			cpu0 := cpu()
+			cpu0 := redisCPU(b, srv)
 			i := 0
 			for b.Loop() {
 				// Member i%members reports; one in a hundred was not
@@ -71,10 +84,24 @@ func BenchmarkFleetRedis(b *testing.B) {
 			}
 			usec := info("commandstats", "cmdstat_evalsha:calls="+strconv.FormatFloat(calls, 'f', -1, 64)+",usec=")
 			b.ReportMetric(usec/calls, "redis-µs/op")
-			b.ReportMetric((cpu()-cpu0)*1e6/calls, "cpu-µs/op")
+			b.ReportMetric((redisCPU(b, srv)-cpu0)*1e6/calls, "cpu-µs/op")
 			// At one heartbeat per member per second, the part of one
 			// core the fleet's heartbeats take.
 			b.ReportMetric(float64(members)*usec/calls/1e6*100, "%core")
 		})
 	}
+}
+
+// redisCPU returns used_cpu_user + used_cpu_sys of srv, in seconds.
+func redisCPU(b *testing.B, srv *redistest.Server) float64 {
+	var sum float64
+	for _, line := range strings.Split(srv.Do(b, "INFO", "cpu").(string), "\r\n") {
+		for _, f := range []string{"used_cpu_user:", "used_cpu_sys:"} {
+			if rest, ok := strings.CutPrefix(line, f); ok {
+				v, _ := strconv.ParseFloat(rest, 64)
+				sum += v
+			}
+		}
+	}
+	return sum
 }
