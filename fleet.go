@@ -18,7 +18,7 @@ import (
 // of every limit this instance holds while Redis is away.
 type fleet struct {
 	weight float64 // this instance's part of each limit, in [0, 1]
-	size   int     // live instances
+	size   int     // instances counted in the window read, this one included
 	window int64   // the window weight was read from; 0 before any
 	raw    float64 // the part that window alone gives
 }
@@ -27,7 +27,7 @@ type fleet struct {
 // traffic, so that an instance idle before an outage still gets a share;
 // reservePart of it is kept for instances not counted in the window
 // (newcomers): little, since a newcomer only holds it when an outage
-// starts within its first windows. Each report is the tokens admitted
+// starts within its first windows. Each report is the tokens offered
 // over the last reportWindows windows: a window's count is noisy, and the
 // weight takes the lesser of two windows' parts (see weigh), which would
 // turn noise into a loss.
