@@ -422,6 +422,14 @@ func TestWeigh(t *testing.T) {
 // to at most 1.
 func TestWeighSumsToAtMostOne(t *testing.T) {
 	const m = 1_800_000_000
+	// Many newcomers at once: one counted instance and 200 that were not.
+	sum := weigh(remote.Heartbeat{Window: m, Reporters: 1, Total: 10}, 10, &fleet{}).weight
+	for i := range int64(200) {
+		sum += weigh(remote.Heartbeat{Window: m, Reporters: 1, Total: 10, Ticket: i + 1}, -1, &fleet{}).weight
+	}
+	if sum > 1+1e-9 {
+		t.Errorf("one instance and 200 newcomers: parts add up to %v", sum)
+	}
 	r := rand.New(rand.NewPCG(1, 2))
 	for trial := range 2000 {
 		n := 1 + r.IntN(40)
