@@ -151,13 +151,21 @@ func ended(ctx context.Context) bool {
 	return ok && !time.Now().Before(dl)
 }
 
-// warmedUp reports whether the first contact with Redis (warm) is over.
+// coldFor bounds the first contact: past it, time-outs count whether or
+// not warm has returned, so that a pod started against a hung Redis (whose
+// first contact can wait on the client's ReadTimeout and its retries)
+// opens its breakers after a second rather than paying the budget on every
+// decision until then.
+const coldFor = time.Second
+
+// warmedUp reports whether the first contact with Redis is over: warm has
+// returned, or coldFor has passed since New.
 func (lim *Limiter) warmedUp() bool {
 	select {
 	case <-lim.warmed:
 		return true
 	default:
-		return false
+		return time.Since(lim.born) > coldFor
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -377,35 +378,120 @@ func TestRefund(t *testing.T) {
 }
 
 func TestWeigh(t *testing.T) {
-	m := func(id, report string) remote.Member { return remote.Member{ID: id, Report: report} }
-	tests := []struct {
-		name    string
-		members []remote.Member
-		want    fleet
-	}{
-		{"no heartbeat yet", nil, fleet{weight: 1.0 / 3, size: 3}},
-		{"alone", []remote.Member{m("me", "7:10:10")}, fleet{weight: 1, size: 1}},
-		// Window 6 is the one everyone reported: me 80 (as before),
-		// b 15 (as last), c 5 (as before).
-		{"80/15/5", []remote.Member{m("me", "7:99:80"), m("b", "6:15:12"), m("c", "7:1:5")},
-			fleet{weight: 0.9*0.8 + 0.1/3, size: 3}},
-		{"a member just started", []remote.Member{m("me", "7:99:80"), m("b", "7:10:-1")},
-			fleet{weight: 0.5, size: 2}},
-		{"a member missed heartbeats", []remote.Member{m("me", "9:5:5"), m("b", "6:5:5")},
-			fleet{weight: 0.5, size: 2}},
-		{"nobody decided", []remote.Member{m("me", "7:0:0"), m("b", "7:0:0")}, fleet{weight: 0.5, size: 2}},
-		{"a report we cannot read", []remote.Member{m("me", "7:1:1"), m("b", "junk")}, fleet{weight: 0.5, size: 2}},
-		{"not among them", []remote.Member{m("b", "7:1:1")}, fleet{weight: 1.0 / 3, size: 3}},
+	const m = 1_800_000_000 // the window the heartbeat reads
+	type beat struct {
+		h    remote.Heartbeat
+		mine int64
 	}
-	// On its first heartbeat an instance may be the first of several to
-	// start: it counts at least Instances.
-	if got := *weigh([]remote.Member{m("me", "7:-1:-1")}, "me", 3, false); got != (fleet{weight: 1.0 / 3, size: 3}) {
-		t.Errorf("first heartbeat alone: weigh = %+v; want a third of 3", got)
+	hb := func(reporters, total, mine, ticket int64) beat {
+		return beat{remote.Heartbeat{Window: m, Now: (m+3)*1000 + 500, Taken: true, Reporters: reporters, Total: total, Ticket: ticket}, mine}
+	}
+	start := &fleet{weight: 1.0 / 3, size: 3} // New's view: 1/Instances
+	tests := []struct {
+		name string
+		prev *fleet
+		h    beat
+		want float64
+		size int
+	}{
+		{"no window reported yet", start, hb(0, 0, -1, 0), 1.0 / 3, 3},
+		// All of the traffic, less the reserve for instances not counted.
+		{"alone", start, hb(1, 10, 10, 0), 0.99, 1},
+		{"80/15/5", start, hb(3, 100, 80, 0), 0.9*0.8 + 0.09/3, 3},
+		{"5 of 80/15/5", start, hb(3, 100, 5, 0), 0.9*0.05 + 0.09/3, 3},
+		{"nobody decided", start, hb(2, 0, 0, 0), 0.99 / 2, 2},
+		// Not counted in the window (just started, a heartbeat lost):
+		// half the reserve for the first, a quarter for the second.
+		{"not counted, first", start, hb(3, 100, -1, 1), 0.01 / 2, 4},
+		{"not counted, second", start, hb(3, 100, -1, 2), 0.01 / 4, 4},
+		{"not counted, the millionth", start, hb(3, 100, -1, 1e6), 0, 4},
+		{"more than the total", start, hb(3, 100, 101, 0), 0, 4},
+		// The lesser of the last two windows' parts, if they follow.
+		{"rising", &fleet{weight: 0.5, window: m - 1, raw: 0.5}, hb(3, 100, 80, 0), 0.5, 3},
+		{"falling", &fleet{weight: 0.9, window: m - 1, raw: 0.9}, hb(3, 100, 5, 0), 0.9*0.05 + 0.09/3, 3},
+		{"after a gap", &fleet{weight: 0.5, window: m - 2, raw: 0.5}, hb(3, 100, 80, 0), 0.9*0.8 + 0.09/3, 3},
+		{"read twice", &fleet{weight: 0.25, size: 7, window: m, raw: 0.3}, hb(3, 100, 80, 0), 0.25, 7},
 	}
 	for _, tt := range tests {
-		got := *weigh(tt.members, "me", 3, true)
-		if math.Abs(got.weight-tt.want.weight) > 1e-12 || got.size != tt.want.size {
-			t.Errorf("%s: weigh = %+v; want %+v", tt.name, got, tt.want)
+		got := weigh(tt.h.h, tt.h.mine, tt.prev)
+		if math.Abs(got.weight-tt.want) > 1e-12 || got.size != tt.size {
+			t.Errorf("%s: weigh(%+v) = %+v; want weight %v, size %d", tt.name, tt.h, *got, tt.want, tt.size)
+		}
+	}
+}
+
+// TestWeighSumsToAtMostOne: for any reports, newcomers and lost
+// heartbeats, and any moment between two windows (some instances hold
+// the last window's parts, others the one before), the parts held add up
+// to at most 1.
+func TestWeighSumsToAtMostOne(t *testing.T) {
+	const m = 1_800_000_000
+	// Many newcomers at once: one counted instance and 200 that were not.
+	sum := weigh(remote.Heartbeat{Window: m, Reporters: 1, Total: 10}, 10, &fleet{}).weight
+	for i := range int64(200) {
+		sum += weigh(remote.Heartbeat{Window: m, Reporters: 1, Total: 10, Ticket: i + 1}, -1, &fleet{}).weight
+	}
+	if sum > 1+1e-9 {
+		t.Errorf("one instance and 200 newcomers: parts add up to %v", sum)
+	}
+	r := rand.New(rand.NewPCG(1, 2))
+	for trial := range 2000 {
+		n := 1 + r.IntN(40)
+		// Each instance's report for windows m-1, m and m+1; -1: none
+		// (not started yet, or its heartbeat was lost).
+		reports := make([][3]int64, n)
+		for i := range reports {
+			for w := range 3 {
+				switch r.IntN(6) {
+				case 0:
+					reports[i][w] = -1
+				case 1:
+					reports[i][w] = 0
+				default:
+					reports[i][w] = r.Int64N(1000)
+				}
+			}
+		}
+		// The heartbeats of one window, as Redis would answer them in
+		// order: tickets for those not counted.
+		read := func(w int) []remote.Heartbeat {
+			var reporters, total, tickets int64
+			for _, rep := range reports {
+				if rep[w] >= 0 {
+					reporters++
+					total += rep[w]
+				}
+			}
+			hs := make([]remote.Heartbeat, n)
+			for _, i := range r.Perm(n) {
+				h := remote.Heartbeat{Window: m + int64(w) - 1, Now: (m+int64(w)+2)*1000 + 1}
+				if reporters > 0 {
+					h.Reporters, h.Total = reporters, total
+					if reports[i][w] < 0 {
+						tickets++
+						h.Ticket = tickets
+					}
+				}
+				hs[i] = h
+			}
+			return hs
+		}
+		before, last, next := read(0), read(1), read(2)
+		var sum float64
+		for i := range n {
+			v := &fleet{weight: 1.0 / 3, size: 3}
+			v = weigh(before[i], reports[i][0], v)
+			v = weigh(last[i], reports[i][1], v)
+			if r.IntN(2) == 0 { // this one has read the next window already
+				v = weigh(next[i], reports[i][2], v)
+			}
+			if v.window == 0 {
+				continue // no window yet: 1/Instances, the configured guess
+			}
+			sum += v.weight
+		}
+		if sum > 1+1e-9 {
+			t.Fatalf("trial %d: %d instances, reports %v: parts add up to %v", trial, n, reports, sum)
 		}
 	}
 }

@@ -124,7 +124,8 @@ type Limiter struct {
 	cluster *redis.ClusterClient    // nil unless cfg.Redis is a Cluster client
 	single  *node                   // the one node unless cluster
 	nodes   atomic.Pointer[nodeMap] // cluster nodes by address; copy on write
-	count   atomic.Int64            // decisions, for the fleet's weights
+	count   atomic.Int64            // tokens offered, for the fleet's weights (see demand)
+	demand  *demand                 // counts count; nil without a heartbeat
 	healed  chan *node              // nodes whose breaker closed, to reconcile
 	owed    chan struct{}           // local decisions on nodes whose breaker is closed
 	opened  chan struct{}           // a breaker opened: wakes the prober
@@ -140,6 +141,7 @@ type Limiter struct {
 	// warmed is closed when warm has returned: the first contact with
 	// Redis is over, whatever came of it.
 	warmed chan struct{}
+	born   time.Time // when New returned it, for coldFor
 
 	// ctx is the context of every Redis call the limiter makes of its own
 	// (probes, charges, heartbeats); Close cancels it.
@@ -203,6 +205,7 @@ func New(cfg Config) (*Limiter, error) {
 		done:   make(chan struct{}),
 	}
 	lim.ctx, lim.cancel = context.WithCancel(context.Background())
+	lim.born = time.Now()
 	ls, _ := cfg.Limit.check() // validate checked it
 	lim.limit.Store(&ls)
 	lim.view.Store(initialView(cfg.Instances))
@@ -222,6 +225,7 @@ func New(cfg Config) (*Limiter, error) {
 	go lim.prober()
 	go lim.warm()
 	if cfg.Heartbeat > 0 {
+		lim.demand = newDemand()
 		lim.wg.Add(1)
 		go lim.heartbeat()
 	}
@@ -396,7 +400,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	// or not: it granted them already.
 	if lim.cfg.Lease > 0 {
 		if left, ok := lim.shares.TakeLease(lim.cfg.now(), key, n); ok {
-			lim.count.Add(1) // traffic, for the fleet's weights, as a remote decision
+			lim.count.Add(n) // granted by Redis, for the fleet's weights
 			*d = Decision{Allowed: true, Remaining: left, Mode: ModeLease}
 			return nil
 		}
@@ -437,8 +441,8 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		lim.fallback(key, n, ls, nd, d)
 		return nil
 	}
-	lim.count.Add(1)
 	if !lim.cfg.noCache && lim.cached(key, n, ls, d) {
+		lim.tally(key, n, ls, false, 0)
 		return nil
 	}
 	rl := ls.rl
@@ -447,6 +451,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	res, o := lim.call(ctx, nd, whenClosed, req)
 	switch o {
 	case answered:
+		lim.tally(key, n, ls, res.Allowed, max(res.Level, 0)/rl.P)
 		if res.Leased > 0 {
 			lim.shares.Lease(sent, key, res.Leased, sent.Add(lim.cfg.LeaseFor))
 		}

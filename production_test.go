@@ -104,6 +104,7 @@ func TestProbesCloseTheBreaker(t *testing.T) {
 	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(100), Instances: 1, Heartbeat: -1,
 		Breaker: BreakerConfig{Failures: 2, OpenFor: 50 * time.Millisecond, Jitter: -1, Probes: 3}})
 	ctx := context.Background()
+	<-lim.warmed // time-outs count once the first contact is over
 	m.SetError("LOADING Redis is loading the dataset in memory")
 	for range 2 {
 		lim.Allow(ctx, "k")

@@ -121,10 +121,12 @@ func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
 			if c.nd == probing {
 				p = underProbe
 			}
-			// A charge that was sent and not answered may still be run
-			// by Redis, as a paused one does when it resumes: sending it
-			// again could charge twice.
-			if _, o := lim.call(ctx, c.nd, p, c.req); o == answered || o == unanswered {
+			// A charge that was not answered stays owed, even though a
+			// paused Redis may run it when it resumes: go-redis cannot say
+			// whether it was written (it may still have been dialing), and
+			// a charge lost lets the local bucket start over, which
+			// admits now what is charged twice only later.
+			if _, o := lim.call(ctx, c.nd, p, c.req); o == answered {
 				lim.shares.Settle(c.key, c.spent)
 				return
 			}

@@ -12,8 +12,10 @@ import _ "embed"
 //go:embed tokenbucket.lua
 var TokenBucket string
 
-// Fleet is the source of the heartbeat script: it records one instance of
-// a limiter group and returns the live ones. See fleet.lua.
+// Fleet is the source of the heartbeat script: it adds one instance's
+// report to its window's sum and returns the sum of a window that no
+// report can change any more, at a cost that does not depend on the
+// fleet's size. See fleet.lua for its arguments and reply.
 //
 //go:embed fleet.lua
 var Fleet string

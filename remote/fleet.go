@@ -9,23 +9,59 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Member is one live instance of a limiter group.
-type Member struct {
-	ID     string
-	Report string // what it reported at its last heartbeat
+// Heartbeat is what one heartbeat learns of the fleet: whether Redis took
+// the report, and a window of the group's clock that no report can change
+// any more, as Redis holds it. Every instance that reads a window reads
+// the same Reporters and Total.
+//
+// For example, three instances that reported 80, 15 and 5 tokens for the
+// window read each get Reporters 3 and Total 100. An instance that was not
+// counted in it asks for a ticket: 1 for the first such instance to ask,
+// 2 for the next.
+type Heartbeat struct {
+	Window    int64 // the window read
+	Now       int64 // Redis TIME, in milliseconds
+	Taken     bool  // the report was counted in its window
+	Reporters int64 // instances that reported for Window; 0: none, or not closed yet
+	Total     int64 // tokens they reported, in all
+	Ticket    int64 // if asked for and Reporters > 0: its place among those not counted
 }
 
-// Fleet records one heartbeat of instance id with its report (a string
-// without spaces, opaque to this package) in the fleet hash at key, and
-// returns the live members, id included.
-// A heartbeat counts for ttl; the hash keeps at most most members. Like
-// Take, the call is never retried but for NOSCRIPT. Fleet waits as long as
-// the client does: call it from a goroutine that may wait.
-func Fleet(ctx context.Context, c redis.UniversalClient, key, id, report string, ttl time.Duration, most int) ([]Member, error) {
+// A report is packed as tokens<<reporterBits | 1, so that one HINCRBY
+// adds both the tokens and the instance to the window's sum. The tokens
+// of one report are capped at MaxReport; the sum holds up to 2^43 tokens
+// (beyond, HINCRBY fails and nothing is written) from up to 2^20-1
+// instances.
+const (
+	reporterBits = 20
+	// MaxReport is the most tokens one report counts.
+	MaxReport = 1<<32 - 1
+)
+
+// Fleet sends one heartbeat: offered is what this instance counted in
+// window of Redis TIME (windows of every, whole milliseconds, the same for
+// the whole group, and one report per window), and Redis takes it while
+// it is in that window or one of the next two. It reads window-2, which is
+// closed once Redis is in window+1, the time to send this report when on
+// time; ticket asks for a ticket, for an instance not counted in it.
+// Window w's hash is named base+":"+w; base must carry a hash tag, so that
+// a call's keys share a Cluster slot. Redis's cost and the reply's size do
+// not depend on the fleet's size. Like Take, the call is never retried but
+// for NOSCRIPT, which proves it did not run: a report is never counted
+// twice. Fleet waits as long as the client does: call it from a goroutine
+// that may wait.
+func Fleet(ctx context.Context, c redis.UniversalClient, base string, window, offered int64, ticket bool, every time.Duration) (Heartbeat, error) {
+	read := window - 2
+	report := min(max(offered, 0), MaxReport)<<reporterBits | 1
+	want := "0"
+	if ticket {
+		want = "1"
+	}
 	args := func(verb, script string) noRetryCmd {
-		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, key, id, report,
-			strconv.FormatInt(ttl.Milliseconds(), 10),
-			strconv.Itoa(most))}
+		return noRetryCmd{redis.NewCmd(ctx, verb, script, 2,
+			base+":"+strconv.FormatInt(window, 10), base+":"+strconv.FormatInt(read, 10),
+			strconv.FormatInt(window, 10), strconv.FormatInt(report, 10),
+			strconv.FormatInt(read, 10), strconv.FormatInt(every.Milliseconds(), 10), want)}
 	}
 	cmd := args("evalsha", fleetScript.sha)
 	err := c.Process(ctx, cmd)
@@ -34,22 +70,37 @@ func Fleet(ctx context.Context, c redis.UniversalClient, key, id, report string,
 		err = c.Process(ctx, cmd)
 	}
 	if err != nil {
-		return nil, err
+		return Heartbeat{}, err
 	}
-	vals, ok := cmd.Val().([]any)
-	if !ok || len(vals)%2 != 0 {
-		return nil, fmt.Errorf("%w: fleet reply %T", ErrReply, cmd.Val())
+	h, err := parseHeartbeat(cmd.Val())
+	h.Window = read
+	return h, err
+}
+
+// parseHeartbeat turns the script's reply into a Heartbeat, or ErrReply if
+// it is not what the script returns.
+func parseHeartbeat(reply any) (Heartbeat, error) {
+	vals, ok := reply.([]any)
+	if !ok || len(vals) != 4 {
+		return Heartbeat{}, fmt.Errorf("%w: fleet reply %T of %d", ErrReply, reply, len(vals))
 	}
-	members := make([]Member, 0, len(vals)/2)
-	for i := 0; i < len(vals); i += 2 {
-		id, ok1 := vals[i].(string)
-		r, ok2 := vals[i+1].(string)
-		if !ok1 || !ok2 {
-			return nil, fmt.Errorf("%w: fleet member %v %v", ErrReply, vals[i], vals[i+1])
-		}
-		members = append(members, Member{ID: id, Report: r})
+	now, ok1 := vals[0].(int64)
+	taken, ok2 := vals[1].(int64)
+	ticket, ok3 := vals[3].(int64)
+	var sum int64
+	var ok4 bool
+	switch x := vals[2].(type) {
+	case int64: // none
+		sum, ok4 = 0, x == 0
+	case string:
+		p, err := strconv.ParseInt(x, 10, 64)
+		sum, ok4 = p, err == nil && p > 0 && p&(1<<reporterBits-1) > 0
 	}
-	return members, nil
+	if !ok1 || !ok2 || !ok3 || !ok4 || now <= 0 || taken != 0 && taken != 1 || ticket < 0 || sum == 0 && ticket != 0 {
+		return Heartbeat{}, fmt.Errorf("%w: fleet reply %v", ErrReply, vals)
+	}
+	return Heartbeat{Now: now, Taken: taken == 1, Reporters: sum & (1<<reporterBits - 1),
+		Total: sum >> reporterBits, Ticket: ticket}, nil
 }
 
 // Load loads every script of this package into the script cache of every

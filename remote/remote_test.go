@@ -3,6 +3,7 @@ package remote
 import (
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -11,6 +12,8 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
 )
 
 // t0 is a fixed Redis TIME for the script tests.
@@ -366,36 +369,91 @@ func TestScriptTTLFollowsLimit(t *testing.T) {
 	}
 }
 
+// TestFleet: a report for window j is taken during windows j to j+2, and
+// window j is read once closed, during window j+3, the same sum for every
+// reader; a report too late is not taken, an instance not counted gets a
+// ticket if it asks, and a window's hash expires once it can no longer be
+// read.
 func TestFleet(t *testing.T) {
 	m, _ := newMini(t)
 	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
 	defer c.Close()
 	ctx := context.Background()
-	beat := func(id, report string) map[string]string {
+	const every = time.Second
+	k := t0.UnixMilli() / 1000
+	at := func(window int64, at time.Duration) {
+		m.SetTime(time.UnixMilli(window * 1000).Add(at))
+	}
+	// beat reports for window and reads window-2.
+	beat := func(window, offered int64, ticket bool) Heartbeat {
 		t.Helper()
-		ms, err := Fleet(ctx, c, "fleet", id, report, 3*time.Second, 100)
+		h, err := Fleet(ctx, c, "{fleet}", window, offered, ticket, every)
 		if err != nil {
-			t.Fatalf("Fleet(%q) = %v", id, err)
+			t.Fatalf("Fleet(%d, %d, %v) = %v", window, offered, ticket, err)
 		}
-		got := map[string]string{}
-		for _, mb := range ms {
-			got[mb.ID] = mb.Report
+		if h.Window != window-2 {
+			t.Errorf("Fleet(%d) read window %d; want %d", window, h.Window, window-2)
 		}
-		return got
+		return h
 	}
-	beat("a", "1")
-	m.SetTime(t0.Add(time.Second))
-	beat("b", "2")
-	if got := beat("a", "3"); len(got) != 2 || got["a"] != "3" || got["b"] != "2" {
-		t.Errorf("fleet = %v; want a:3 b:2", got)
+	check := func(what string, got, want Heartbeat) {
+		t.Helper()
+		want.Now, want.Window = got.Now, got.Window
+		if got != want {
+			t.Errorf("%s: Fleet = %+v; want %+v", what, got, want)
+		}
 	}
-	// b's heartbeat expires 3 s after it was sent.
-	m.SetTime(t0.Add(4*time.Second + time.Millisecond))
-	if got := beat("a", "4"); len(got) != 1 || got["a"] != "4" {
-		t.Errorf("fleet after b expired = %v; want only a:4", got)
+	// Reports for window k: early (during k), on time, late.
+	at(k, 990*time.Millisecond)
+	check("first", beat(k, 80, false), Heartbeat{Taken: true})
+	at(k+1, 100*time.Millisecond)
+	beat(k, 15, false)
+	at(k+2, 900*time.Millisecond)
+	beat(k, 5, true) // no ticket for a window not closed
+	// Read too early, window k+2 is not there.
+	if h := beat(k+4, 0, false); h.Reporters != 0 || h.Taken {
+		t.Errorf("report for k+4 and read of k+2 during window k+2: %+v; want neither", h)
 	}
-	if ttl := m.TTL("fleet"); ttl != 3*time.Second {
-		t.Errorf("fleet key TTL = %v; want 3s", ttl)
+	// Window k+3: window k is closed, the same sum for everyone.
+	at(k+3, 50*time.Millisecond)
+	check("reads k", beat(k+2, 1000, false), Heartbeat{Taken: true, Reporters: 3, Total: 100})
+	check("too late for k", beat(k, 1000, true), Heartbeat{})
+	check("not counted", beat(k+2, 0, true), Heartbeat{Taken: true, Reporters: 3, Total: 100, Ticket: 1})
+	check("not counted either", beat(k+2, 0, true), Heartbeat{Taken: true, Reporters: 3, Total: 100, Ticket: 2})
+	at(k+5, 10*time.Millisecond)
+	check("reads k+2", beat(k+4, 1, false), Heartbeat{Taken: true, Reporters: 3, Total: 1000})
+	// Window k+2's hash can be read until window k+6 ends: its first
+	// report, at window k+3 plus 50ms, set it to expire then (miniredis
+	// does not count TTLs down with SetTime).
+	if ttl := m.TTL("{fleet}:" + strconv.FormatInt(k+2, 10)); ttl != 4*time.Second-50*time.Millisecond {
+		t.Errorf("TTL of window k+2's hash = %v; want until window k+7", ttl)
+	}
+}
+
+// TestFleetOverflow: on redis-server, a sum that would overflow is an
+// error and writes nothing: the window holds exactly the reports taken.
+func TestFleetOverflow(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client(t)
+	ctx := context.Background()
+	const every = time.Hour // one window for the whole test
+	now, err := c.Time(ctx).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := now.UnixMilli() / every.Milliseconds()
+	var taken int64
+	for range 3000 {
+		if h, err := Fleet(ctx, c, "{big}", k, MaxReport, false, every); err == nil && h.Taken {
+			taken++
+		}
+	}
+	sum, err := c.HGet(ctx, "{big}:"+strconv.FormatInt(k, 10), "#t").Int64()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if taken == 3000 || sum != taken*(MaxReport<<reporterBits|1) {
+		t.Errorf("%d of 3000 reports taken, sum %d; want the overflow refused and every one taken counted", taken, sum)
 	}
 }
 

@@ -2,6 +2,7 @@ package remote
 
 import (
 	"errors"
+	"strconv"
 	"testing"
 	"time"
 )
@@ -119,4 +120,70 @@ func abs(v int64) int64 {
 		return -(v + 1)
 	}
 	return v
+}
+
+func TestParseHeartbeat(t *testing.T) {
+	const now = int64(1764504000000)
+	sum := func(tokens, reporters int64) string { return strconv.FormatInt(tokens<<20|reporters, 10) }
+	for _, tc := range []struct {
+		reply any
+		want  Heartbeat
+	}{
+		{[]any{now, int64(0), int64(0), int64(0)}, Heartbeat{Now: now}},
+		{[]any{now, int64(1), sum(100, 3), int64(0)}, Heartbeat{Now: now, Taken: true, Reporters: 3, Total: 100}},
+		{[]any{now, int64(1), sum(0, 3), int64(0)}, Heartbeat{Now: now, Taken: true, Reporters: 3}},
+		{[]any{now, int64(0), sum(100, 3), int64(2)}, Heartbeat{Now: now, Reporters: 3, Total: 100, Ticket: 2}},
+	} {
+		if got, err := parseHeartbeat(tc.reply); err != nil || got != tc.want {
+			t.Errorf("parseHeartbeat(%v) = %+v, %v; want %+v", tc.reply, got, err, tc.want)
+		}
+	}
+	for _, bad := range []any{
+		nil, "OK", int64(1), []any{}, []any{now, int64(0), int64(0)},
+		[]any{now, int64(0), int64(0), "0"},
+		[]any{"1", int64(0), int64(0), int64(0)},
+		[]any{int64(0), int64(0), int64(0), int64(0)},       // no time
+		[]any{now, int64(2), int64(0), int64(0)},            // taken twice
+		[]any{now, int64(0), "x", int64(0)},                 // not a number
+		[]any{now, int64(0), "-5", int64(0)},                // negative
+		[]any{now, int64(0), sum(10, 0), int64(0)},          // tokens from nobody
+		[]any{now, int64(0), int64(5), int64(0)},            // a sum not as a string
+		[]any{now, int64(0), int64(0), int64(1)},            // a ticket for no window
+		[]any{now, int64(0), sum(1, 1), int64(-1)},          // a negative ticket
+		[]any{now, int64(0), sum(1, 1), int64(0), int64(0)}, // too long
+	} {
+		if h, err := parseHeartbeat(bad); !errors.Is(err, ErrReply) {
+			t.Errorf("parseHeartbeat(%#v) = %+v, %v; want ErrReply", bad, h, err)
+		}
+	}
+}
+
+// FuzzParseHeartbeat: any reply of up to six integers or strings yields a
+// Heartbeat whose numbers agree, or ErrReply; never a panic.
+func FuzzParseHeartbeat(f *testing.F) {
+	f.Add(uint8(0x44), int64(1764504000000), int64(1), int64(100<<20|3), int64(0))
+	f.Add(uint8(0x44), int64(1764504000000), int64(0), int64(100<<20|3), int64(2))
+	f.Add(uint8(0x04), int64(1), int64(0), int64(0), int64(0))
+	f.Fuzz(func(t *testing.T, shape uint8, a, b, c, d int64) {
+		nums := []int64{a, b, c, d}
+		n := int(shape&7) % 7
+		vals := make([]any, 0, n)
+		for i := 0; i < n; i++ {
+			var v any = nums[i%len(nums)]
+			if shape&(0x10<<(i%4)) != 0 { // as a string
+				v = strconv.FormatInt(nums[i%len(nums)], 10)
+			}
+			vals = append(vals, v)
+		}
+		h, err := parseHeartbeat(vals)
+		if err != nil {
+			if !errors.Is(err, ErrReply) {
+				t.Fatalf("parseHeartbeat(%v) error %v does not wrap ErrReply", vals, err)
+			}
+			return
+		}
+		if h.Now <= 0 || h.Reporters < 0 || h.Total < 0 || h.Ticket < 0 || h.Reporters == 0 && (h.Total != 0 || h.Ticket != 0) {
+			t.Fatalf("parseHeartbeat(%v) = %+v", vals, h)
+		}
+	})
 }

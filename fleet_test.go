@@ -1,0 +1,127 @@
+package hybridlimit
+
+import (
+	"context"
+	"errors"
+	"hash/maphash"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
+)
+
+// TestDemandTally: tokens offered to a key count until they reach its
+// limit for the window, or what Redis admitted if more; keys far from
+// their limit count without an entry; a new window starts again; beyond
+// demandKeys keys in a shard, denials of further keys do not count.
+func TestDemandTally(t *testing.T) {
+	d := newDemand()
+	type step struct {
+		key     string
+		n       int64
+		allowed bool
+		left    int64 // tokens the bucket held after
+		want    int64
+	}
+	run := func(steps []step) {
+		t.Helper()
+		for i, s := range steps {
+			if got := d.tally(s.key, s.n, s.allowed, s.left, 10); got != s.want {
+				t.Errorf("step %d: tally(%q, %d, %v, %d, 10) = %d; want %d", i, s.key, s.n, s.allowed, s.left, got, s.want)
+			}
+		}
+	}
+	run([]step{
+		{"a", 3, true, 50, 3}, // far from the limit: counted, no entry
+		{"a", 3, true, 9, 3},  // near it: counted, entry at 3
+		{"a", 4, false, 0, 4}, // denied: 7 of 10 since
+		{"a", 4, false, 0, 3}, // 10
+		{"a", 1, false, 0, 0},
+		{"a", 5, true, 0, 0}, // within the 10 counted already
+		{"a", 3, true, 0, 1}, // admitted 11: more than the limit counts
+		{"a", 3, false, 0, 0},
+		{"b", 9, false, 0, 9},
+		{"b", 9, false, 0, 1},
+	})
+	d.window.Add(1)
+	run([]step{{"a", 4, false, 0, 4}, {"b", 20, false, 0, 10}})
+	// Fill one shard with denied keys: the next new key of that shard
+	// is not counted, one already there still is.
+	d.window.Add(1)
+	shard := func(key string) uint64 { return maphash.String(d.seed, key) % demandShards }
+	var first, extra string
+	for i, n := 0, 0; n <= demandKeys; i++ {
+		key := strconv.Itoa(i)
+		if shard(key) != 0 {
+			continue
+		}
+		if n == 0 {
+			first = key
+		}
+		if n == demandKeys {
+			extra = key
+			break
+		}
+		d.tally(key, 1, false, 0, 10)
+		n++
+	}
+	run([]step{{extra, 1, false, 0, 0}, {first, 1, false, 0, 1}, {extra, 1, true, 0, 1}})
+}
+
+// TestFleetAbuse: one instance flooded with 100 times the limit of key X,
+// all of it denied, takes no more of the limit while Redis is away than
+// if it used X to its limit; the other two instances, serving key Y,
+// keep their shares. Counting decisions instead (every decision, denials
+// and cached denials included) left each of them 0.044 of the limit,
+// where they hold 0.255.
+func TestFleetAbuse(t *testing.T) {
+	const limit = 20 // per second, per key
+	run := func(t *testing.T, flood int) []float64 {
+		srv := redistest.Start(t)
+		var lims []*Limiter
+		for range 3 {
+			lims = append(lims, newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(limit),
+				Instances: 3, Heartbeat: 100 * time.Millisecond}))
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		var wg sync.WaitGroup
+		offer := func(lim *Limiter, key string, perSecond int) {
+			defer wg.Done()
+			tick := time.NewTicker(time.Second / time.Duration(perSecond))
+			defer tick.Stop()
+			for {
+				select {
+				case <-ctx.Done():
+					return
+				case <-tick.C:
+					// The run's own deadline may end the last decisions.
+					if _, err := lim.Allow(ctx, key); err != nil && !errors.Is(err, context.DeadlineExceeded) {
+						t.Error(err)
+					}
+				}
+			}
+		}
+		wg.Add(3)
+		go offer(lims[0], "X", flood*limit)
+		go offer(lims[1], "Y", limit/2) // Y's limit, spread over two instances
+		go offer(lims[2], "Y", limit/2)
+		wg.Wait()
+		w := make([]float64, 3)
+		for i, lim := range lims {
+			w[i] = lim.Stats().Weight
+		}
+		return w
+	}
+	var fair, flooded []float64
+	t.Run("fair", func(t *testing.T) { fair = run(t, 1) })
+	t.Run("flooded", func(t *testing.T) { flooded = run(t, 100) })
+	t.Logf("weights with X used to its limit %.3f, flooded 100x %.3f", fair, flooded)
+	for i := 1; i < 3; i++ {
+		if flooded[i] < 0.85*fair[i] {
+			t.Errorf("instance %d serving Y: weight %.3f with X flooded; want at least 85%% of %.3f", i, flooded[i], fair[i])
+		}
+	}
+}

@@ -1,0 +1,107 @@
+package remote
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
+)
+
+// BenchmarkFleetRedis measures what one heartbeat costs Redis when the
+// group has 10 to 10,000 members, simulated round-robin, each reporting
+// once per window of 1 s (the default Heartbeat) as fast as one client
+// sends them.
+// It reports Redis's own accounting: redis-µs/op is usec_per_call of
+// EVALSHA in INFO commandstats (the script's run), cpu-µs/op the growth
+// of used_cpu_user+used_cpu_sys in INFO cpu per call (the whole process:
+// the socket reads and writes too). Run it with
+//
+//	go test -run '^$' -bench FleetRedis -benchtime 40000x ./remote
+//
+// so that every member reports in several windows at 10,000. PING, sent
+// the same way, shows what any command costs Redis's CPU beside the
+// script: reading, parsing and answering it.
+func BenchmarkFleetRedis(b *testing.B) {
+	b.Run("PING", func(b *testing.B) {
+		srv := redistest.Start(b)
+		c := srv.Client(b)
+		ctx := context.Background()
+		cpu0 := redisCPU(b, srv)
+		for b.Loop() {
+			if err := c.Ping(ctx).Err(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.ReportMetric((redisCPU(b, srv)-cpu0)*1e6/float64(b.N), "cpu-µs/op")
+	})
+	for _, members := range []int{10, 100, 1000, 10000} {
+		b.Run("members="+strconv.Itoa(members), func(b *testing.B) {
+			srv := redistest.Start(b)
+			c := srv.Client(b)
+			ctx := context.Background()
+			const every = time.Second
+			now, err := c.Time(ctx).Result()
+			if err != nil {
+				b.Fatal(err)
+			}
+			window := now.UnixMilli()/every.Milliseconds() - 1
+			info := func(section, field string) float64 {
+				s := srv.Do(b, "INFO", section).(string)
+				for _, line := range strings.Split(s, "\r\n") {
+					if rest, ok := strings.CutPrefix(line, field); ok {
+						if i := strings.IndexByte(rest, ','); i >= 0 {
+							rest = rest[:i]
+						}
+						v, _ := strconv.ParseFloat(rest, 64)
+						return v
+					}
+				}
+				return 0
+			}
+			if err := Load(ctx, c); err != nil {
+				b.Fatal(err)
+			}
+			srv.Do(b, "CONFIG", "RESETSTAT")
+			cpu0 := redisCPU(b, srv)
+			i := 0
+			for b.Loop() {
+				// Member i%members reports; one in a hundred was not
+				// counted and asks for a ticket.
+				h, err := Fleet(ctx, c, "{bench}", window, int64(i%97), i%members%100 == 99, every)
+				if err != nil {
+					b.Fatal(err)
+				}
+				window = h.Now/every.Milliseconds() - 1
+				i++
+			}
+			b.StopTimer()
+			calls := info("commandstats", "cmdstat_evalsha:calls=")
+			if calls < float64(b.N) {
+				b.Fatalf("Redis counted %v EVALSHA for %d heartbeats", calls, b.N)
+			}
+			usec := info("commandstats", "cmdstat_evalsha:calls="+strconv.FormatFloat(calls, 'f', -1, 64)+",usec=")
+			b.ReportMetric(usec/calls, "redis-µs/op")
+			b.ReportMetric((redisCPU(b, srv)-cpu0)*1e6/calls, "cpu-µs/op")
+			// At one heartbeat per member per second, the part of one
+			// core the fleet's heartbeats take.
+			b.ReportMetric(float64(members)*usec/calls/1e6*100, "%core")
+		})
+	}
+}
+
+// redisCPU returns used_cpu_user + used_cpu_sys of srv, in seconds.
+func redisCPU(b *testing.B, srv *redistest.Server) float64 {
+	var sum float64
+	for _, line := range strings.Split(srv.Do(b, "INFO", "cpu").(string), "\r\n") {
+		for _, f := range []string{"used_cpu_user:", "used_cpu_sys:"} {
+			if rest, ok := strings.CutPrefix(line, f); ok {
+				v, _ := strconv.ParseFloat(rest, 64)
+				sum += v
+			}
+		}
+	}
+	return sum
+}
