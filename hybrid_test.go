@@ -41,6 +41,13 @@ func newLimiter(t testing.TB, cfg Config) *Limiter {
 		t.Fatalf("New(%+v) = %v", cfg, err)
 	}
 	t.Cleanup(func() { lim.Close() })
+	// Tests start on a limiter whose first contact with Redis is over
+	// (or has lasted coldFor), so that the faults they inject next are
+	// judged as faults; TestColdStart is the one that does not wait.
+	select {
+	case <-lim.warmed:
+	case <-time.After(coldFor):
+	}
 	return lim
 }
 

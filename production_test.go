@@ -35,7 +35,6 @@ func refused(t *testing.T) *redis.Client {
 func TestShortDeadlinesOpenTheBreaker(t *testing.T) {
 	srv := redistest.Start(t)
 	lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(1000), Instances: 1, Heartbeat: -1})
-	<-lim.warmed // time-outs count once the first contact is over
 	if d, err := lim.Allow(context.Background(), "k"); err != nil || d.Mode != ModeRemote {
 		t.Fatalf("Allow before the pause = %+v, %v; want remote", d, err)
 	}
@@ -104,7 +103,6 @@ func TestProbesCloseTheBreaker(t *testing.T) {
 	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(100), Instances: 1, Heartbeat: -1,
 		Breaker: BreakerConfig{Failures: 2, OpenFor: 50 * time.Millisecond, Jitter: -1, Probes: 3}})
 	ctx := context.Background()
-	<-lim.warmed // time-outs count once the first contact is over
 	m.SetError("LOADING Redis is loading the dataset in memory")
 	for range 2 {
 		lim.Allow(ctx, "k")
@@ -288,8 +286,12 @@ func TestColdStart(t *testing.T) {
 	const timeout = DefaultTimeout
 	var lims []*Limiter
 	for range 3 {
-		lims = append(lims, newLimiter(t, Config{Redis: cl.Client(t), Limit: PerSecond(1e6), Instances: 3,
-			Timeout: timeout}))
+		lim, err := New(Config{Redis: cl.Client(t), Limit: PerSecond(1e6), Instances: 3, Timeout: timeout})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { lim.Close() })
+		lims = append(lims, lim)
 	}
 	var wg sync.WaitGroup
 	var slow atomic.Int64

@@ -401,7 +401,13 @@ type simObserver struct {
 	fired bool
 }
 
-func (o *simObserver) ObserveDecision(DecisionEvent) {
+func (o *simObserver) ObserveDecision(e DecisionEvent) {
+	if e.Mode == ModeFailOpen {
+		// FailOpen grants at once by design: a worker that calls WaitN
+		// again and again is granted without time moving, and that is
+		// the policy, not WaitN spinning.
+		return
+	}
 	o.mu.Lock()
 	now := time.Now()
 	if !now.Equal(o.at) {
@@ -1024,7 +1030,11 @@ type admission struct {
 func (r *simRun) admissions(key string) []admission {
 	var out []admission
 	for _, rec := range r.recs {
-		if rec.key != key || !rec.allowed || rec.refunded || rec.err != nil || (!rec.wait && rec.mode == ModeFailOpen) {
+		// FailOpen's admissions are unlimited by design; a WaitN does not
+		// say which path granted it, so under FailOpen its admissions are
+		// left out too (AllowN's, whose mode is known, are kept).
+		if rec.key != key || !rec.allowed || rec.refunded || rec.err != nil ||
+			!rec.wait && rec.mode == ModeFailOpen || rec.wait && r.s.Policy == FailOpen {
 			continue
 		}
 		out = append(out, admission{rec.end, rec.n, rec.inst, !rec.wait && rec.mode == ModeLocal, rec.weight})
