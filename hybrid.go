@@ -111,6 +111,8 @@ type Decision struct {
 	// Redis said of the key less than a second ago (Mode is ModeRemote):
 	// Redis was not asked, so it may be away by now.
 	Cached bool
+
+	wait time.Duration // WaitN: how long a reservation must wait
 }
 
 // Limiter decides, per key, whether an event may happen now. Create it
@@ -354,31 +356,37 @@ func (lim *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 // decides, and Decision.Mode says so. AllowN waits at most Config.Timeout
 // for Redis.
 func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (d Decision, err error) {
+	return d, lim.allowN(ctx, key, n, 0, &d)
+}
+
+// allowN is AllowN, filling d in place (a Decision is a few words, copied
+// through every frame otherwise, and this is the hottest path there is);
+// reserve is decide's.
+func (lim *Limiter) allowN(ctx context.Context, key string, n, reserve int64, d *Decision) error {
 	if len(key) == 0 || len(key) > MaxKeyLen {
-		return Decision{}, fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
+		return fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
 	}
 	var own limits
 	ls, err := lim.limitFor(key, &own)
 	if err != nil {
-		return Decision{}, err
+		return err
 	}
 	if n < 1 || n > ls.Burst {
-		return Decision{}, fmt.Errorf("%w: n=%d, want 1 to burst %d", ErrInvalidN, n, ls.Burst)
+		return fmt.Errorf("%w: n=%d, want 1 to burst %d", ErrInvalidN, n, ls.Burst)
 	}
 	if lim.closed.Load() {
-		return Decision{}, ErrClosed
+		return ErrClosed
 	}
 	if err := ctx.Err(); err != nil {
-		return Decision{}, err
+		return err
 	}
 	var start time.Time
 	if lim.cfg.Observer != nil {
 		start = time.Now()
 	}
-	// decide fills d in place: a Decision is a few words, copied through
-	// every frame otherwise, and this is the hottest path there is.
-	if err := lim.decide(ctx, key, n, ls, &d); err != nil {
-		return Decision{}, err
+	if err := lim.decide(ctx, key, n, ls, reserve, d); err != nil {
+		*d = Decision{}
+		return err
 	}
 	d.Limit = ls.Limit
 	if lim.cfg.Shadow && !d.Allowed {
@@ -390,12 +398,14 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (d Decision
 			N: n, Latency: time.Since(start),
 		})
 	}
-	return d, nil
+	return nil
 }
 
 // decide makes the decision: from leased tokens, from what Redis said of
-// the key, by Redis, or by the failure policy.
-func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits, d *Decision) error {
+// the key, by Redis, or by the failure policy. With reserve above zero
+// (WaitN), Redis grants the tokens even if the bucket then owes up to
+// reserve units, and d.wait says how long the caller must wait for them.
+func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits, reserve int64, d *Decision) error {
 	// Tokens leased from Redis are spent first, whether Redis is there
 	// or not: it granted them already.
 	if lim.cfg.Lease > 0 {
@@ -441,13 +451,13 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		lim.fallback(key, n, ls, nd, d)
 		return nil
 	}
-	if !lim.cfg.noCache && lim.cached(key, n, ls, d) {
+	if !lim.cfg.noCache && reserve == 0 && lim.cached(key, n, ls, d) {
 		lim.tally(key, n, ls, false, 0)
 		return nil
 	}
 	rl := ls.rl
 	sent := lim.cfg.now()
-	req := remote.Request{Key: rkey, Limit: rl, Units: rl.Units(n), Lease: lim.cfg.Lease}
+	req := remote.Request{Key: rkey, Limit: rl, Units: rl.Units(n), Lease: lim.cfg.Lease, Reserve: reserve}
 	res, o := lim.call(ctx, nd, whenClosed, req)
 	switch o {
 	case answered:
@@ -465,6 +475,9 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 			RetryAfter: res.RetryAfter,
 			ResetAfter: res.ResetAfter,
 			Mode:       ModeRemote,
+		}
+		if res.Allowed && res.Level < 0 {
+			d.wait = ceilMicros(-res.Level, rl.Q) // granted ahead of the refill
 		}
 		return nil
 	case callerGone:

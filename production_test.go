@@ -3,6 +3,8 @@ package hybridlimit
 import (
 	"context"
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -319,5 +321,69 @@ func TestColdStart(t *testing.T) {
 				t.Errorf("instance %d: breaker of %s %s after a cold start; want closed", i, addr, st)
 			}
 		}
+	}
+}
+
+// scriptCalls returns how many EVALSHA srv has run.
+func scriptCalls(t *testing.T, srv *redistest.Server) int64 {
+	t.Helper()
+	info := srv.Do(t, "INFO", "commandstats").(string)
+	for _, line := range strings.Split(info, "\r\n") {
+		if rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:calls="); ok {
+			n, _ := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
+			return n
+		}
+	}
+	return 0
+}
+
+// TestWaitNFairness: 12 workers on 3 instances wait on one key, one of
+// them for 5 tokens at a time and the others for 1. The one that asks for
+// more is not starved, the limit holds, and Redis runs about one script
+// call per grant, not one per waiter per refilled token.
+func TestWaitNFairness(t *testing.T) {
+	srv := redistest.Start(t)
+	const rate, burst = 20, 10
+	var lims []*Limiter
+	for range 3 {
+		lims = append(lims, newLimiter(t, Config{Redis: srv.Client(t), Limit: Limit{Rate: rate, Burst: burst},
+			Instances: 3, Heartbeat: -1, Timeout: time.Second}))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	before := scriptCalls(t, srv)
+	var wg sync.WaitGroup
+	var tokens, grants, big atomic.Int64
+	for i, lim := range lims {
+		for w := range 4 {
+			n := int64(1)
+			if i == 0 && w == 0 {
+				n = 5
+			}
+			wg.Go(func() {
+				for ctx.Err() == nil {
+					if err := lim.WaitN(ctx, "w", n); err != nil {
+						return
+					}
+					tokens.Add(n)
+					grants.Add(1)
+					if n == 5 {
+						big.Add(1)
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	calls := scriptCalls(t, srv) - before
+	t.Logf("3 s, 12 waiters: %d tokens in %d grants (%d of 5 tokens), %d script calls", tokens.Load(), grants.Load(), big.Load(), calls)
+	if max := int64(rate*3 + burst); tokens.Load() > max {
+		t.Errorf("granted %d tokens in 3 s; want at most %d", tokens.Load(), max)
+	}
+	if big.Load() < 3 {
+		t.Errorf("the waiter for 5 tokens was granted %d times in 3 s; want at least 3 (it waits its turn)", big.Load())
+	}
+	if calls > 2*grants.Load()+12 {
+		t.Errorf("%d script calls for %d grants; want at most 2 per grant (and one last call per waiter)", calls, grants.Load())
 	}
 }

@@ -14,43 +14,106 @@ func (lim *Limiter) Wait(ctx context.Context, key string) error {
 	return lim.WaitN(ctx, key, 1)
 }
 
-// WaitN blocks until n tokens are granted for key or ctx ends. Between
-// tries it sleeps for the RetryAfter of the denial, plus up to a tenth more
-// at random, so that a fleet of workers denied together does not retry
-// together; it never spins. While Redis is away it waits on this instance's
-// local share. It returns ctx's error if ctx ends first, and the errors of
+// WaitN blocks until n tokens are granted for key or ctx ends.
+//
+// It reserves the tokens in Redis: one script call takes them even if the
+// bucket then owes them (at most a burst, and no more than the refill pays
+// before ctx's deadline), and WaitN sleeps until the refill has paid them.
+// So waiters, on every instance, are served in the order they reached
+// Redis, a waiter for many tokens keeps its place behind those for few, and
+// each grant costs Redis one call however many wait. If the queue is
+// deeper than that, or Redis is away and the local share decides, it
+// sleeps for the RetryAfter of the denial, plus up to a tenth more at
+// random, and tries again; it never spins. If ctx ends while it waits for a
+// reservation, the tokens are given back (a best-effort Refund). It returns
+// at once with an error wrapping context.DeadlineExceeded when its
+// deadline cannot be met, ctx's error if ctx ends first, and the errors of
 // AllowN; with Config.Shadow it never waits.
 func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 	var t *time.Timer
+	sleep := func(d time.Duration) error {
+		if t == nil {
+			t = time.NewTimer(d)
+		} else {
+			t.Reset(d)
+		}
+		select {
+		case <-t.C:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	defer func() {
+		if t != nil {
+			t.Stop()
+		}
+	}()
 	for {
-		d, err := lim.AllowN(ctx, key, n)
-		if err != nil {
+		var d Decision
+		var reserve int64
+		if !lim.cfg.Shadow { // a shadow limiter never makes anyone wait
+			reserve = lim.depth(ctx, key)
+		}
+		if err := lim.allowN(ctx, key, n, reserve, &d); err != nil {
 			return err
 		}
 		if d.Allowed {
+			if d.wait <= 0 {
+				return nil
+			}
+			if err := sleep(d.wait); err != nil {
+				// Not spent: give the reservation back.
+				rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), lim.cfg.Timeout)
+				_ = lim.Refund(rctx, key, d, n)
+				cancel()
+				return err
+			}
 			return nil
 		}
 		delay := d.RetryAfter
 		if delay <= 0 {
 			delay = time.Millisecond
 		}
+		delay = min(delay, maxWaitStep)
 		delay += time.Duration(rand.Int64N(int64(delay/10) + 1))
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < delay {
 			return fmt.Errorf("hybridlimit: WaitN(n=%d) for %v would exceed the context's deadline: %w",
 				n, delay, context.DeadlineExceeded)
 		}
-		if t == nil {
-			t = time.NewTimer(delay)
-			defer t.Stop()
-		} else {
-			t.Reset(delay)
-		}
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			return ctx.Err()
+		if err := sleep(delay); err != nil {
+			return err
 		}
 	}
+}
+
+// maxWaitStep bounds one sleep of WaitN between tries, so that a
+// RetryAfter of hours (a per-day limit, or a share that can never hold n)
+// is looked at again, and the arithmetic of the jitter never overflows.
+const maxWaitStep = time.Minute
+
+// depth returns how many units of key's bucket a WaitN may reserve ahead
+// of the refill: at most a burst, and no more than the refill pays before
+// ctx's deadline, so that a reservation is never granted to a waiter that
+// cannot live to spend it.
+func (lim *Limiter) depth(ctx context.Context, key string) int64 {
+	var own limits
+	ls, err := lim.limitFor(key, &own)
+	if err != nil {
+		return 0 // allowN reports it
+	}
+	rl := ls.rl
+	depth := rl.Cap()
+	if dl, ok := ctx.Deadline(); ok {
+		us := int64(time.Until(dl) / time.Microsecond)
+		if us <= 0 {
+			return 0
+		}
+		if us < depth/rl.Q {
+			depth = us * rl.Q
+		}
+	}
+	return max(depth, 1)
 }
 
 // Refund gives n tokens back to key's bucket in the path that granted d: to

@@ -14,6 +14,9 @@
 --          spent on its local share meanwhile; a charge of 0 is the
 --          breaker's probe, which runs and writes like a decision but takes
 --          nothing.
+--          "reserve": take cost if the bucket then owes at most ARGV[6]
+--          units (at most cap): the level may go below zero, and the
+--          caller waits until the refill has paid it (WaitN).
 --          "lease": if cost is allowed, also take up to ARGV[6] more units
 --          (a multiple of p), in whole tokens, for the client to spend
 --          without asking again (Config.Lease, for keys hotter than one
@@ -155,6 +158,18 @@ if mode == 'charge' then
     level = -cap
   end
   write = true
+elseif mode == 'reserve' then
+  -- Take cost if the bucket then owes at most ARGV[6] units: a waiter
+  -- that takes its tokens ahead of the refill, and waits, once, until the
+  -- debt is paid, rather than asking again and again.
+  if level - cost >= -tonumber(ARGV[6]) then
+    flags = flags + 1
+    level = level - cost
+    if level > cap then
+      level = cap
+    end
+    write = true
+  end
 elseif cost < 0 or cost <= level then
   -- A refund (a negative cost) is always taken, in debt too.
   flags = flags + 1

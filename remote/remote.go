@@ -109,6 +109,7 @@ const (
 	modeTake   mode = iota // take cost units if the bucket holds them
 	modeCharge             // take cost units, never refusing, never below zero
 	modeLease              // take cost units, and up to extra more
+	modeReserve            // take cost units if the bucket then owes at most extra
 )
 
 var callPool = sync.Pool{New: func() any { return &call{ready: make(chan struct{}, 1)} }}
@@ -185,6 +186,10 @@ type Request struct {
 	// are taken, as many as the bucket holds, for the caller to spend
 	// without asking Redis again; Result.Leased says how many.
 	Lease int64
+	// Reserve, above zero, takes Units if the bucket then owes at most
+	// Reserve units (at most the capacity): Result.Level is then negative
+	// by what the caller must wait for, at Limit.Q units a microsecond.
+	Reserve int64
 }
 
 // Do runs the script for r. It returns when Redis answers or ctx ends,
@@ -201,12 +206,17 @@ func (p *Pipe) Do(ctx context.Context, r Request) (Result, error) {
 	switch {
 	case r.Charge:
 		m = modeCharge
+	case r.Reserve > 0:
+		m = modeReserve
 	case r.Lease > 0:
 		m = modeLease
 	}
 	c := newCall(ctx, r.Key, r.Limit, r.Units, m)
-	if m == modeLease {
+	switch m {
+	case modeLease:
 		c.extra = r.Limit.Units(r.Lease)
+	case modeReserve:
+		c.extra = min(r.Reserve, r.Limit.Cap())
 	}
 	return p.do(c)
 }
@@ -558,6 +568,8 @@ func (p *Pipe) evalCmd(ctx context.Context, withSource bool, c *call) noRetryCmd
 		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "charge")}
 	case modeLease:
 		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "lease", c.extra)}
+	case modeReserve:
+		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "reserve", c.extra)}
 	}
 	return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost)}
 }

@@ -528,3 +528,36 @@ func TestLease(t *testing.T) {
 		}
 	}
 }
+
+// TestReserve: reserve mode takes the tokens into debt, as deep as asked
+// and no deeper, and the debt is what the next decisions see.
+func TestReserve(t *testing.T) {
+	m, p := newMini(t)
+	lim := mustLimit(t, 10, 5)
+	ctx := context.Background()
+	m.SetTime(t0)
+	if res, err := p.Take(ctx, "k", lim, 5); err != nil || !res.Allowed {
+		t.Fatalf("Take(5) = %+v, %v", res, err)
+	}
+	reserve := func(n, depth int64) Result {
+		t.Helper()
+		res, err := p.Do(ctx, Request{Key: "k", Limit: lim, Units: lim.Units(n), Reserve: lim.Units(depth)})
+		if err != nil {
+			t.Fatalf("reserve %d at depth %d: %v", n, depth, err)
+		}
+		return res
+	}
+	if res := reserve(3, 5); !res.Allowed || res.Level != -3*lim.P {
+		t.Errorf("reserve 3 at depth 5 = %+v; want allowed, level -3 tokens (a 300 ms wait)", res)
+	}
+	if res := reserve(3, 5); res.Allowed || res.Level != -3*lim.P || res.RetryAfter != 600*time.Millisecond {
+		t.Errorf("reserve 3 more at depth 5 = %+v; want denied, level still -3 tokens, RetryAfter 600 ms", res)
+	}
+	if res := reserve(2, 5); !res.Allowed || res.Level != -5*lim.P {
+		t.Errorf("reserve 2 at depth 5 = %+v; want allowed, level -5 tokens", res)
+	}
+	run(t, m, p, "k", lim, []step{
+		{499 * time.Millisecond, 1, false, 0, 101 * time.Millisecond}, // 5 owed, 4.99 refilled
+		{600 * time.Millisecond, 1, true, 0, 0},
+	})
+}

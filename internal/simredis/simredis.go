@@ -464,6 +464,19 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 			level = -capacity
 		}
 		dirty = true
+	} else if mode == "reserve" {
+		depth := 0.0
+		if len(argv) > 5 {
+			depth, _ = number(argv[5])
+		}
+		if level-cost >= -depth {
+			flags++
+			level -= cost
+			if level > capacity {
+				level = capacity
+			}
+			dirty = true
+		}
 	} else if cost < 0 || cost <= level {
 		// A refund (a negative cost) is always taken, in debt too.
 		flags++
