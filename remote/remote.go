@@ -106,10 +106,10 @@ type call struct {
 type mode uint8
 
 const (
-	modeTake   mode = iota // take cost units if the bucket holds them
-	modeCharge             // take cost units, never refusing, never below zero
-	modeLease              // take cost units, and up to extra more
-	modeReserve            // take cost units if the bucket then owes at most extra
+	modeTake    mode = iota // take cost units if the bucket holds them
+	modeCharge              // take cost units, never refusing, never below zero
+	modeLease               // take cost units, and up to extra more
+	modeReserve             // take cost units if the bucket then owes at most extra
 )
 
 var callPool = sync.Pool{New: func() any { return &call{ready: make(chan struct{}, 1)} }}
