@@ -397,3 +397,62 @@ func (r *rig) seconds(n int, keep func(decision) bool) []loadgen.Second {
 	}
 	return out
 }
+
+// TestClusterFailover: a Cluster of 3 masters with a replica each, 3
+// instances with default cluster clients, 100/s on one key offered about
+// 200/s. The key's master hangs (SIGSTOP) at 2 s and stays down, as a dead
+// host does; its replica takes over at 4 s (CLUSTER FAILOVER TAKEOVER, which
+// the Cluster does by itself once the node timeout has passed). The key is
+// decided by Redis again within 5 s of the takeover, no second after the
+// first admits more than 115, and no call errs.
+func TestClusterFailover(t *testing.T) {
+	leakCheck(t)
+	cl := redistest.StartClusterWithReplicas(t, 3)
+	const prefix, key = "fo:", "k"
+	master := cl.NodeForKey(t, prefix+key)
+	var replica *redistest.Server
+	for i, m := range cl.Nodes {
+		if m == master {
+			replica = cl.Replicas[i]
+		}
+	}
+	r := newRig(t, clusterClients(t, cl, loadInstances), Config{Prefix: prefix})
+	defer master.Resume(t) // before the cleanups kill it
+	var tookOver time.Time
+	r.run(10*time.Second, func(int, int, int) string { return key },
+		loadgen.Event{At: 2 * time.Second, Do: func() { master.Pause(t) }},
+		mark(4*time.Second, &tookOver, func() {
+			// The Cluster may have failed over by itself already.
+			_ = adminClient(t, replica).Do(context.Background(), "CLUSTER", "FAILOVER", "TAKEOVER").Err()
+		}),
+	)
+	secs := r.seconds(10, func(decision) bool { return true })
+	t.Logf("master %s paused at 2 s, replica %s took over at 4 s:\n%s", master.Addr(), replica.Addr(), loadgen.Table(secs))
+	t.Logf("breakers opened at %s", describeOpens(r))
+	r.checkNoErrors()
+	for s := 1; s < 10; s++ {
+		if secs[s].Allowed > 115 {
+			t.Errorf("second %d-%d admitted %d; want at most 115", s, s+1, secs[s].Allowed)
+		}
+	}
+	for i := range r.lims {
+		var back time.Time
+		for _, d := range r.decisions() {
+			if d.inst != i || d.start.Before(tookOver) {
+				continue
+			}
+			if d.err == nil && d.Mode == ModeRemote {
+				if back.IsZero() {
+					back = d.start
+				}
+			} else {
+				back = time.Time{}
+			}
+		}
+		if back.IsZero() || back.Sub(tookOver) > 5*time.Second {
+			t.Errorf("instance %d: not back to Redis within 5 s of the takeover (back %v after it)", i, back.Sub(tookOver))
+			continue
+		}
+		t.Logf("instance %d back to Redis %v after the takeover", i, back.Sub(tookOver).Round(time.Millisecond))
+	}
+}

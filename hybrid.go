@@ -135,6 +135,15 @@ type Limiter struct {
 	mu          sync.Mutex // serializes writers of nodes, and closed with them
 	closed      atomic.Bool
 	reconciling sync.Mutex // held by reconcile
+	// spentLocally is set by the first local decision that granted tokens:
+	// from then on there can be local spending to charge.
+	spentLocally atomic.Bool
+
+	// For a Cluster: the layout the limiter read itself, whether a reading
+	// is under way, and its own node clients (protected by mu).
+	layout  atomic.Pointer[layout]
+	reading atomic.Bool
+	own     map[string]*redis.Client
 
 	// For a Cluster: mapped is set once go-redis has loaded the slot
 	// layout; tried is closed when the first attempt to load it ended.
@@ -163,6 +172,10 @@ type node struct {
 	cb    *breaker.Breaker
 	pipe  *remote.Pipe
 	probe atomic.Pointer[probe] // the last key that failed; set before the breaker opens
+	// settling is set while the local spending on a new master's keys is
+	// charged to it: decisions wait locally meanwhile, so that none takes
+	// from a bucket the charges have not reached yet.
+	settling atomic.Bool
 }
 
 // probe is a key the node owns and its limit: a probe charges it nothing.
@@ -219,7 +232,7 @@ func New(cfg Config) (*Limiter, error) {
 		if c, ok := cfg.Redis.(*redis.Client); ok {
 			name = c.Options().Addr
 		}
-		lim.single = lim.newNode(name)
+		lim.single = lim.newNode(name, nil)
 	}
 	lim.wg.Add(4)
 	go lim.sweep()
@@ -234,9 +247,16 @@ func New(cfg Config) (*Limiter, error) {
 	return lim, nil
 }
 
-func (lim *Limiter) newNode(addr string) *node {
+// newNode returns the node of addr. Its pipe sends through c, the
+// limiter's own client of that node, or if c is nil through Config.Redis,
+// which routes each key (and follows MOVED and ASK) itself.
+func (lim *Limiter) newNode(addr string, c *redis.Client) *node {
 	b := lim.cfg.Breaker
-	nd := &node{addr: addr, pipe: remote.NewPipe(lim.cfg.Redis, 0)}
+	var via redis.UniversalClient = lim.cfg.Redis
+	if c != nil {
+		via = c
+	}
+	nd := &node{addr: addr, pipe: remote.NewPipe(via, 0)}
 	nd.cb = breaker.New(breaker.Settings{
 		Name:     addr,
 		Failures: uint32(b.Failures),
@@ -319,6 +339,18 @@ func (lim *Limiter) masterFor(key string) (*node, error) {
 		return nil, err
 	}
 	addr := c.Options().Addr
+	var own *redis.Client
+	if o := lim.override(key, addr); o != "" {
+		// go-redis still routes the key to a node that is not usable,
+		// and the layout read since names another master.
+		addr = o
+		if nd := (*lim.nodes.Load())[addr]; nd != nil {
+			return nd, nil
+		}
+		if own = lim.ownClient(addr); own == nil {
+			return nil, ErrClosed
+		}
+	}
 	if nd := (*lim.nodes.Load())[addr]; nd != nil {
 		return nd, nil
 	}
@@ -335,10 +367,46 @@ func (lim *Limiter) masterFor(key string) (*node, error) {
 	for k, v := range old {
 		nodes[k] = v
 	}
-	nd := lim.newNode(addr)
+	nd := lim.newNode(addr, own)
 	nodes[addr] = nd
 	lim.nodes.Store(&nodes)
+	if lim.spentLocally.Load() {
+		// A master that appeared after local decisions were made (a
+		// failover, a new shard) took slots from another: what this
+		// instance spent locally on their keys is charged to it before it
+		// decides.
+		nd.settling.Store(true)
+		lim.wg.Go(func() {
+			defer nd.settling.Store(false)
+			lim.reconcile(lim.ctx, nd)
+		})
+	}
 	return nd, nil
+}
+
+// forget drops nd, a node that no longer owns slots, from the nodes: its
+// breaker and its pipe go, so that addresses that come and go (pods of a
+// managed Cluster) do not pile up. Its pipe is closed in the background:
+// calls still in flight there wait on the client's own time-outs.
+func (lim *Limiter) forget(nd *node) {
+	lim.mu.Lock()
+	defer lim.mu.Unlock()
+	if lim.closed.Load() {
+		return
+	}
+	old := *lim.nodes.Load()
+	if old[nd.addr] != nd {
+		return
+	}
+	nodes := make(nodeMap, len(old))
+	for k, v := range old {
+		if v != nd {
+			nodes[k] = v
+		}
+	}
+	lim.nodes.Store(&nodes)
+	lim.cfg.Logger.Info("hybridlimit: forgot a node that owns no slots", "limiter", lim.cfg.Name, "node", nd.addr)
+	lim.wg.Go(nd.pipe.Close)
 }
 
 // Allow is shorthand for AllowN(ctx, key, 1).
@@ -447,7 +515,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	}
 	// While the breaker is not closed, only the prober talks to the node:
 	// no decision waits on a probe.
-	if nd.cb.State() != breaker.StateClosed {
+	if nd.cb.State() != breaker.StateClosed || nd.settling.Load() {
 		lim.fallback(key, n, ls, nd, d)
 		return nil
 	}
@@ -579,6 +647,9 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, d *Decis
 		return
 	}
 	res := lim.shares.AllowN(lim.cfg.now(), key, r, burst, capacity, int(n))
+	if res.Allowed && !lim.spentLocally.Load() {
+		lim.spentLocally.Store(true)
+	}
 	*d = Decision{
 		Allowed:    res.Allowed,
 		Remaining:  res.Remaining,
@@ -696,6 +767,9 @@ func (lim *Limiter) Close() error {
 		}
 		for _, nd := range *lim.nodes.Load() {
 			nd.pipe.Close()
+		}
+		for _, c := range lim.own {
+			c.Close()
 		}
 	})
 	return nil

@@ -21,6 +21,7 @@ func (lim *Limiter) prober() {
 	defer lim.wg.Done()
 	t := time.NewTimer(probeTick)
 	defer t.Stop()
+	var reloaded time.Time
 	for {
 		if !lim.anyOpen() {
 			select {
@@ -35,9 +36,22 @@ func (lim *Limiter) prober() {
 		case <-lim.done:
 			return
 		}
+		if lim.cluster != nil && time.Since(reloaded) >= reloadEvery {
+			reloaded = time.Now()
+			lim.relayout()
+		}
 		lim.forNodes(func(nd *node) { lim.probe(lim.ctx, nd) })
 	}
 }
+
+// reloadEvery is how often, while a Cluster node's breaker is not closed,
+// the slot layout is read again: a failover moves the node's slots to its
+// replica, and the keys should follow them back to Redis, at every
+// instance at about the same time (while some are back on a bucket that
+// refilled during the outage and others still spend their local shares,
+// the fleet admits more than the limit). A reading is one CLUSTER SLOTS
+// per node, only while a breaker is open.
+const reloadEvery = 100 * time.Millisecond
 
 // anyOpen reports whether any node's breaker is not closed.
 func (lim *Limiter) anyOpen() bool {

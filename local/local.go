@@ -280,10 +280,12 @@ func (s *Shares) Settle(key string, spent float64) {
 // (if not nil) is true, how many tokens this instance spent from it beyond
 // what it would hold untouched (its starting level refilled since, up to
 // burst), plus what earlier Drains reported and Settle did not confirm;
-// and it drops the bucket, so that the next local decision starts again
-// from what Redis says, less what is reported and not confirmed. It is
-// called when Redis answers, to charge Redis for what was spent without
-// it; the caller calls Settle for each charge Redis took.
+// from then on the bucket's spending is measured from its level at now.
+// The bucket itself is kept: a local decision before Redis says anything
+// newer goes on from it, and one after starts again from what Redis said,
+// less what is reported and not confirmed. It is called when Redis
+// answers, to charge Redis for what was spent without it; the caller calls
+// Settle for each charge Redis took.
 //
 // match is called under a shard's lock: it must be quick and must not call
 // back into s. fn is called after each shard's lock is released.
@@ -300,15 +302,16 @@ func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key s
 			if b.lim == nil && b.owed == 0 || match != nil && !match(k) {
 				continue
 			}
-			spent := b.owed
-			if b.lim != nil {
-				untouched := math.Min(float64(b.burst), b.seed+float64(b.r)*now.Sub(s.time(b.seedAt)).Seconds())
-				spent += untouched - b.lim.TokensAt(now)
-			}
+			spent := b.owed + s.spent(b, now)
 			if spent > 0 {
 				out = append(out, spend{k, spent})
 			}
-			b.lim, b.owed = nil, max(spent, 0)
+			b.owed = max(spent, 0)
+			if b.lim != nil {
+				// Kept, and measured from here on: the next local
+				// decision may come before Redis says anything newer.
+				b.seed, b.seedAt = b.lim.TokensAt(now), s.mono(now)
+			}
 		}
 		sh.mu.Unlock()
 		for _, sp := range out {
@@ -469,6 +472,13 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int, capacit
 	if b == nil {
 		b = sh.entry(now, key)
 	}
+	if b.lim != nil && b.seen != 0 && b.seen > b.seedAt {
+		// Redis said something newer than what the bucket started from:
+		// start again from that, keeping as owed what this bucket spent
+		// that no Drain has reported yet.
+		b.owed += s.spent(b, now)
+		b.lim = nil
+	}
 	if b.lim == nil {
 		// Start from what Redis last said, refilled since; at capacity if
 		// it said nothing.
@@ -489,6 +499,17 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int, capacit
 		b.r, b.burst = r, burst
 	}
 	return b.lim
+}
+
+// spent returns what b's local bucket spent by now beyond what it would
+// hold untouched: its starting level refilled since, up to its burst.
+// spent requires that the shard's mu is held.
+func (s *Shares) spent(b *bucket, now time.Time) float64 {
+	if b.lim == nil {
+		return 0
+	}
+	untouched := math.Min(float64(b.burst), b.seed+float64(b.r)*now.Sub(s.time(b.seedAt)).Seconds())
+	return max(untouched-b.lim.TokensAt(now), 0)
 }
 
 // entry returns key's entry, creating an empty one (making room at now if

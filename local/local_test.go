@@ -510,9 +510,9 @@ func TestObserveSeeds(t *testing.T) {
 	}
 }
 
-// TestDrain: Drain reports what was spent beyond the untouched level, drops
-// the local bucket, leaves other keys alone, and reports again what Settle
-// did not confirm, which a new local bucket does not hand out again.
+// TestDrain: Drain reports what was spent beyond the untouched level,
+// measures from there on, leaves other keys alone, and reports again what
+// Settle did not confirm.
 func TestDrain(t *testing.T) {
 	s := New(1000) // room for every key in any shard: none is evicted
 	r := rate.Limit(10)
@@ -533,14 +533,13 @@ func TestDrain(t *testing.T) {
 		t.Errorf("Drain = %v; want map[a:4 b:8]", got)
 	}
 	s.Settle("a", 4) // Redis took a's charge; b's failed
-	// The drained bucket is gone: the next local decision starts again
-	// from the observation (5 tokens at t0, full 500 ms later).
+	// The drained buckets go on: a held 3 at t0+200ms, full at t0+1s.
 	if res := s.AllowN(t0.Add(time.Second), "a", r, 10, 10.0, 10); !res.Allowed {
-		t.Errorf("AllowN(10) after Drain = %+v; want a fresh bucket seeded from Redis", res)
+		t.Errorf("AllowN(10) on a after Drain = %+v; want allowed: 3 + 8 refilled", res)
 	}
-	// b's 8 are not confirmed: its new bucket starts with 10 - 8.
+	// b goes on from the 2 it held, not from a fresh bucket.
 	if res := s.AllowN(at, "b", r, 10, 10.0, 3); res.Allowed || res.Remaining != 2 {
-		t.Errorf("AllowN(3) on b after an unsettled Drain = %+v; want denied, 2 left", res)
+		t.Errorf("AllowN(3) on b after Drain = %+v; want denied, 2 left", res)
 	}
 	// At t0+1s, a spent all 10 of a bucket that would be full; b reports
 	// its 8 again, and nothing more (its new bucket is full again); c,
@@ -567,6 +566,27 @@ func TestRefund(t *testing.T) {
 	})
 	if s.Len() != 1 {
 		t.Errorf("Len() = %d after refunding an absent key; want 1", s.Len())
+	}
+}
+
+// TestDrainThenNewerObservation: after a Drain the bucket goes on, until
+// Redis says something newer: the next local bucket then starts from that,
+// less what the old one spent since the Drain and nobody reported.
+func TestDrainThenNewerObservation(t *testing.T) {
+	s := New(1000)
+	r := rate.Limit(10)
+	s.AllowN(t0, "k", r, 10, 10.0, 6) // 4 left
+	s.Drain(t0, nil, func(string, float64) {})
+	s.Settle("k", 6)
+	s.AllowN(t0, "k", r, 10, 10.0, 1)         // 3 left, unreported
+	s.Observe(t0.Add(ms), 2, "k", 10, 10, 10) // Redis: full
+	if res := s.AllowN(t0.Add(ms), "k", r, 10, 10.0, 10); res.Allowed || res.Remaining != 9 {
+		t.Errorf("AllowN(10) after a newer observation = %+v; want denied, 9 left (10 less the 1 unreported)", res)
+	}
+	got := map[string]float64{}
+	s.Drain(t0.Add(ms), nil, func(key string, spent float64) { got[key] = spent })
+	if math.Abs(got["k"]-1) > 1e-9 {
+		t.Errorf("Drain = %v; want k: 1, the token spent before the observation", got)
 	}
 }
 

@@ -561,3 +561,21 @@ func TestReserve(t *testing.T) {
 		{600 * time.Millisecond, 1, true, 0, 0},
 	})
 }
+
+// TestSlot: the slots Redis's own documentation gives, and hash tags.
+func TestSlot(t *testing.T) {
+	for key, want := range map[string]int{
+		"123456789":            12739, // CRC16-XMODEM's check value 0x31C3, mod 16384
+		"foo":                  12182,
+		"{user1000}.following": Slot("user1000"),
+		"foo{}{bar}":           Slot("foo{}{bar}"),
+		"{}x":                  Slot("{}x"),
+	} {
+		if got := Slot(key); got != want {
+			t.Errorf("Slot(%q) = %d; want %d", key, got, want)
+		}
+	}
+	if Slot("{a}b") != Slot("a") {
+		t.Errorf("Slot({a}b) = %d; want Slot(a) = %d", Slot("{a}b"), Slot("a"))
+	}
+}

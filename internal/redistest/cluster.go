@@ -16,10 +16,14 @@ import (
 // replica to sync.
 const joinTimeout = 20 * time.Second
 
-// Cluster is a Redis Cluster of masters only, started by StartCluster.
+// Cluster is a Redis Cluster started by StartCluster (masters only) or
+// StartClusterWithReplicas.
 type Cluster struct {
 	// Nodes holds the masters in the order they were started.
 	Nodes []*Server
+	// Replicas holds, for StartClusterWithReplicas, the replica of each
+	// master: Replicas[i] replicates Nodes[i].
+	Replicas []*Server
 }
 
 // StartCluster starts masters redis-server processes in cluster mode, joins
@@ -29,6 +33,18 @@ type Cluster struct {
 // example "--cluster-require-full-coverage", "no"). t.Cleanup kills every node.
 func StartCluster(t testing.TB, masters int, opts ...Option) *Cluster {
 	t.Helper()
+	return startCluster(t, masters, 0, opts...)
+}
+
+// StartClusterWithReplicas is StartCluster with one replica per master: it
+// waits, too, until every replica's link to its master is up.
+func StartClusterWithReplicas(t testing.TB, masters int, opts ...Option) *Cluster {
+	t.Helper()
+	return startCluster(t, masters, 1, opts...)
+}
+
+func startCluster(t testing.TB, masters, replicas int, opts ...Option) *Cluster {
+	t.Helper()
 	if masters < 3 {
 		t.Fatalf("redistest: StartCluster(%d): Redis Cluster needs at least 3 masters", masters)
 	}
@@ -36,22 +52,89 @@ func StartCluster(t testing.TB, masters int, opts ...Option) *Cluster {
 	if err != nil {
 		t.Fatal("redis-cli not found: install it with `apt-get install -y redis-server`")
 	}
-	c := &Cluster{}
-	for range masters {
-		c.Nodes = append(c.Nodes, Start(t, append([]Option{func(c *config) { c.cluster = true }}, opts...)...))
+	var all []*Server
+	for range masters * (1 + replicas) {
+		all = append(all, Start(t, append([]Option{func(c *config) { c.cluster = true }}, opts...)...))
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), joinTimeout)
 	defer cancel()
-	args := append([]string{"--cluster", "create"}, c.Addrs()...)
-	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	args := []string{"--cluster", "create"}
+	for _, s := range all {
+		args = append(args, s.Addr())
+	}
+	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
 	if out, err := exec.CommandContext(ctx, cli, args...).CombinedOutput(); err != nil {
 		t.Fatalf("redistest: redis-cli %s: %v\n%s", strings.Join(args, " "), err, out)
 	}
-	known := "cluster_known_nodes:" + strconv.Itoa(masters) + "\r\n"
-	for _, s := range c.Nodes {
+	known := "cluster_known_nodes:" + strconv.Itoa(len(all)) + "\r\n"
+	for _, s := range all {
 		waitInfo(t, ctx, s, func(ctx context.Context, rc *redis.Client) (string, error) {
 			return rc.ClusterInfo(ctx).Result()
 		}, "cluster_state:ok\r\n", known)
+	}
+	c := &Cluster{}
+	if replicas == 0 {
+		c.Nodes = all
+		return c
+	}
+	// Which node redis-cli made a replica of which is read back from
+	// CLUSTER NODES ("<id> <addr>@<bus> <flags> <master id> ..."), once
+	// every replica's role has reached the first node.
+	rc := probe(all[0].Addr())
+	defer rc.Close()
+	byAddr := map[string]*Server{}
+	for _, s := range all {
+		byAddr[s.Addr()] = s
+	}
+	for {
+		out, err := rc.ClusterNodes(ctx).Result()
+		if err != nil {
+			t.Fatalf("redistest: CLUSTER NODES: %v", err)
+		}
+		ids := map[string]*Server{}
+		masterOf := map[*Server]string{}
+		for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+			f := strings.Fields(line)
+			if len(f) < 4 {
+				continue
+			}
+			addr, _, _ := strings.Cut(f[1], "@")
+			ids[f[0]] = byAddr[addr]
+			if strings.Contains(f[2], "slave") {
+				masterOf[byAddr[addr]] = f[3]
+			}
+		}
+		c.Nodes, c.Replicas = nil, nil
+		for _, s := range all {
+			if _, ok := masterOf[s]; !ok {
+				c.Nodes = append(c.Nodes, s)
+			}
+		}
+		c.Replicas = make([]*Server, len(c.Nodes))
+		complete := len(masterOf) == masters*replicas
+		for r, id := range masterOf {
+			for i, m := range c.Nodes {
+				if ids[id] == m {
+					c.Replicas[i] = r
+				}
+			}
+		}
+		for _, r := range c.Replicas {
+			complete = complete && r != nil
+		}
+		if complete {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("redistest: the replicas' roles did not reach %s: %s", all[0].Addr(), out)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	for _, r := range c.Replicas {
+		waitInfo(t, ctx, r, func(ctx context.Context, rc *redis.Client) (string, error) {
+			return rc.Info(ctx, "replication").Result()
+		}, "master_link_status:up\r\n")
 	}
 	return c
 }
