@@ -63,28 +63,28 @@ const (
 // fault.
 func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Request) (remote.Result, outcome) {
 	if p == underProbe {
-		res, o, _ := lim.send(ctx, nd, req)
+		res, o, _ := lim.send(ctx, nd, nd.pipe, req)
 		return res, o
 	}
 	if nd.cb.State() != breaker.StateClosed {
 		return remote.Result{}, down
 	}
 	if p == charging {
-		res, o, _ := lim.send(ctx, nd, req)
+		res, o, _ := lim.send(ctx, nd, nd.pipe, req)
 		return res, o
 	}
 	ticket, ok := nd.cb.Allow()
 	if !ok {
 		return remote.Result{}, down
 	}
-	res, o, verdict := lim.send(ctx, nd, req)
+	res, o, verdict := lim.send(ctx, nd, nd.pipe, req)
 	ticket.Done(verdict)
 	return res, o
 }
 
-// send sends req to nd within the budget and classifies what came back;
-// the caller holds nd's ticket, or sends under a probe's.
-func (lim *Limiter) send(ctx context.Context, nd *node, req remote.Request) (remote.Result, outcome, breaker.Outcome) {
+// send sends req through pipe, nd's, within the budget and classifies
+// what came back; the caller holds nd's ticket, or sends under a probe's.
+func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req remote.Request) (remote.Result, outcome, breaker.Outcome) {
 	budget := lim.cfg.Timeout
 	if dl, ok := ctx.Deadline(); ok {
 		budget = min(budget, time.Until(dl)*9/10)
@@ -94,7 +94,7 @@ func (lim *Limiter) send(ctx context.Context, nd *node, req remote.Request) (rem
 	}
 	rctx, cancel := context.WithTimeout(ctx, budget)
 	defer cancel()
-	res, err := nd.pipe.Do(rctx, req)
+	res, err := pipe.Do(rctx, req)
 	o, verdict := lim.classify(ctx, err, budget)
 	if verdict == breaker.Failure {
 		// The prober probes the node on the last key that failed there.

@@ -455,4 +455,10 @@ func TestClusterFailover(t *testing.T) {
 		}
 		t.Logf("instance %d back to Redis %v after the takeover", i, back.Sub(tookOver).Round(time.Millisecond))
 	}
+	// The old master lost its slots: it is forgotten, breaker and pipe.
+	for i, lim := range r.lims {
+		if st, ok := lim.Stats().Breakers[master.Addr()]; ok {
+			t.Errorf("instance %d still has a node for the old master %s (%s); want it forgotten", i, master.Addr(), st)
+		}
+	}
 }

@@ -176,6 +176,10 @@ type node struct {
 	// charged to it: decisions wait locally meanwhile, so that none takes
 	// from a bucket the charges have not reached yet.
 	settling atomic.Bool
+	// direct is the pipe of a Cluster node's probes, to its own address;
+	// made once, by the prober (probePipe).
+	once   sync.Once
+	direct *remote.Pipe
 }
 
 // probe is a key the node owns and its limit: a probe charges it nothing.
@@ -384,6 +388,15 @@ func (lim *Limiter) masterFor(key string) (*node, error) {
 	return nd, nil
 }
 
+// close closes nd's pipes.
+func (nd *node) close() {
+	nd.pipe.Close()
+	nd.once.Do(func() {}) // no probe pipe from now on
+	if nd.direct != nil {
+		nd.direct.Close()
+	}
+}
+
 // forget drops nd, a node that no longer owns slots, from the nodes: its
 // breaker and its pipe go, so that addresses that come and go (pods of a
 // managed Cluster) do not pile up. Its pipe is closed in the background:
@@ -406,7 +419,7 @@ func (lim *Limiter) forget(nd *node) {
 	}
 	lim.nodes.Store(&nodes)
 	lim.cfg.Logger.Info("hybridlimit: forgot a node that owns no slots", "limiter", lim.cfg.Name, "node", nd.addr)
-	lim.wg.Go(nd.pipe.Close)
+	lim.wg.Go(nd.close)
 }
 
 // Allow is shorthand for AllowN(ctx, key, 1).
@@ -766,7 +779,7 @@ func (lim *Limiter) Close() error {
 			lim.single.pipe.Close()
 		}
 		for _, nd := range *lim.nodes.Load() {
-			nd.pipe.Close()
+			nd.close()
 		}
 		for _, c := range lim.own {
 			c.Close()

@@ -53,6 +53,26 @@ func (lim *Limiter) prober() {
 // per node, only while a breaker is open.
 const reloadEvery = 100 * time.Millisecond
 
+// probePipe returns the pipe nd's probes go through. A Cluster node's
+// decisions go through the Cluster client, which routes each key by its
+// own layout: after a failover it may send the node's probe key to the new
+// master, and the old node's breaker would close on another node's answer.
+// So its probes go to its own address, through the limiter's own client.
+func (lim *Limiter) probePipe(nd *node) *remote.Pipe {
+	if lim.cluster == nil {
+		return nd.pipe
+	}
+	nd.once.Do(func() {
+		if c := lim.ownClient(nd.addr); c != nil {
+			nd.direct = remote.NewPipe(c, 1)
+		}
+	})
+	if nd.direct == nil {
+		return nd.pipe // closing
+	}
+	return nd.direct
+}
+
 // anyOpen reports whether any node's breaker is not closed.
 func (lim *Limiter) anyOpen() bool {
 	open := false
@@ -100,7 +120,7 @@ func (lim *Limiter) probe(ctx context.Context, nd *node) {
 		if !ok {
 			return
 		}
-		_, _, verdict := lim.send(ctx, nd, remote.Request{Key: p.key, Limit: p.rl, Charge: true})
+		_, _, verdict := lim.send(ctx, nd, lim.probePipe(nd), remote.Request{Key: p.key, Limit: p.rl, Charge: true})
 		if verdict == breaker.Success && i >= lim.cfg.Breaker.Probes {
 			lim.reconcile(ctx, nd)
 		}
