@@ -144,7 +144,8 @@ func OpenHybrid(rdb redis.UniversalClient, prefix string, l hybridlimit.Limit) (
 // Timeout (1 s: a slow answer must not become a local decision) and no
 // heartbeat (it would add its own Redis traffic).
 func newHybrid(cfg hybridlimit.Config) (Instance, error) {
-	cfg.Timeout, cfg.Heartbeat = time.Second, -1
+	// Alone, without a heartbeat: its share, were Redis away, is all of it.
+	cfg.Timeout, cfg.Heartbeat, cfg.Instances = time.Second, -1, 1
 	lim, err := hybridlimit.New(cfg)
 	if err != nil {
 		return nil, err
