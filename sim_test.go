@@ -855,6 +855,15 @@ func (r *simRun) waiter(ctx context.Context, i, w int, in *instance) {
 		if errors.Is(err, ErrClosed) {
 			return
 		}
+		if err == nil {
+			// A worker works between grants: under FailOpen WaitN grants
+			// at once, and a loop that never blocks would stop virtual
+			// time.
+			select {
+			case <-time.After(time.Millisecond):
+			case <-ctx.Done():
+			}
+		}
 		if err != nil {
 			// WaitN may give up at once when the deadline is too near.
 			select {
