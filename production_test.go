@@ -337,8 +337,8 @@ func scriptCalls(t *testing.T, srv *redistest.Server) int64 {
 	return 0
 }
 
-// TestWaitNFairness: 12 workers on 3 instances wait on one key, one of
-// them for 5 tokens at a time and the others for 1. The one that asks for
+// TestWaitNFairness: 12 workers on 3 instances wait on one key for 4 s,
+// one of them for 5 tokens at a time and the others for 1. The one that asks for
 // more is not starved, the limit holds, and Redis runs about one script
 // call per grant, not one per waiter per refilled token.
 func TestWaitNFairness(t *testing.T) {
@@ -349,7 +349,7 @@ func TestWaitNFairness(t *testing.T) {
 		lims = append(lims, newLimiter(t, Config{Redis: srv.Client(t), Limit: Limit{Rate: rate, Burst: burst},
 			Instances: 3, Heartbeat: -1, Timeout: time.Second}))
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
 	defer cancel()
 	before := scriptCalls(t, srv)
 	var wg sync.WaitGroup
@@ -376,12 +376,12 @@ func TestWaitNFairness(t *testing.T) {
 	}
 	wg.Wait()
 	calls := scriptCalls(t, srv) - before
-	t.Logf("3 s, 12 waiters: %d tokens in %d grants (%d of 5 tokens), %d script calls", tokens.Load(), grants.Load(), big.Load(), calls)
-	if max := int64(rate*3 + burst); tokens.Load() > max {
-		t.Errorf("granted %d tokens in 3 s; want at most %d", tokens.Load(), max)
+	t.Logf("4 s, 12 waiters: %d tokens in %d grants (%d of them of 5 tokens), %d script calls", tokens.Load(), grants.Load(), big.Load(), calls)
+	if max := int64(rate*4 + burst); tokens.Load() > max {
+		t.Errorf("granted %d tokens in 4 s; want at most %d", tokens.Load(), max)
 	}
 	if big.Load() < 3 {
-		t.Errorf("the waiter for 5 tokens was granted %d times in 3 s; want at least 3 (it waits its turn)", big.Load())
+		t.Errorf("the waiter for 5 tokens was granted %d times in 4 s; want at least 3 (its turn comes every 16 tokens, 0.8 s)", big.Load())
 	}
 	if calls > 2*grants.Load()+12 {
 		t.Errorf("%d script calls for %d grants; want at most 2 per grant (and one last call per waiter)", calls, grants.Load())

@@ -92,10 +92,21 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 // is looked at again, and the arithmetic of the jitter never overflows.
 const maxWaitStep = time.Minute
 
+// reserveFor is how much refill a WaitN may reserve ahead at most, beyond
+// a burst: waiters queue for at most that long, and the tokens of a
+// process that dies while queued are lost for at most that long.
+const reserveFor = 10 * time.Second
+
+// maxExactUnits bounds a reservation's depth, so that the script's
+// arithmetic stays exact.
+const maxExactUnits = 1 << 52
+
 // depth returns how many units of key's bucket a WaitN may reserve ahead
-// of the refill: at most a burst, and no more than the refill pays before
-// ctx's deadline, so that a reservation is never granted to a waiter that
-// cannot live to spend it.
+// of the refill: a burst, or reserveFor of refill if that is more (a
+// queue only a burst deep would let waiters for one token, re-queueing as
+// soon as they are served, keep a waiter for more from ever finding room);
+// and no more than the refill pays before ctx's deadline, so that a
+// reservation is never granted to a waiter that cannot live to spend it.
 func (lim *Limiter) depth(ctx context.Context, key string) int64 {
 	var own limits
 	ls, err := lim.limitFor(key, &own)
@@ -103,7 +114,7 @@ func (lim *Limiter) depth(ctx context.Context, key string) int64 {
 		return 0 // allowN reports it
 	}
 	rl := ls.rl
-	depth := rl.Cap()
+	depth := max(rl.Cap(), min(int64(reserveFor/time.Microsecond), maxExactUnits/rl.Q)*rl.Q)
 	if dl, ok := ctx.Deadline(); ok {
 		us := int64(time.Until(dl) / time.Microsecond)
 		if us <= 0 {

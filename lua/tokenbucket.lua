@@ -15,8 +15,8 @@
 --          breaker's probe, which runs and writes like a decision but takes
 --          nothing.
 --          "reserve": take cost if the bucket then owes at most ARGV[6]
---          units (at most cap): the level may go below zero, and the
---          caller waits until the refill has paid it (WaitN).
+--          units: the level may go below zero, and the caller waits until
+--          the refill has paid it (WaitN).
 --          "lease": if cost is allowed, also take up to ARGV[6] more units
 --          (a multiple of p), in whole tokens, for the client to spend
 --          without asking again (Config.Lease, for keys hotter than one
@@ -137,8 +137,6 @@ if raw then
     end
     if level > cap then
       level = cap
-    elseif level < -cap then
-      level = -cap
     end
   else
     flags = 2
@@ -152,10 +150,12 @@ end
 local mode = ARGV[5]
 local leased = 0
 if mode == 'charge' then
+  -- Never below -cap, nor below what reservations already owe.
   flags = flags + 1
-  level = level - cost
-  if level < -cap then
-    level = -cap
+  if level - cost < -cap then
+    level = math.min(level, -cap)
+  else
+    level = level - cost
   end
   write = true
 elseif mode == 'reserve' then

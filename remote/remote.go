@@ -187,8 +187,8 @@ type Request struct {
 	// without asking Redis again; Result.Leased says how many.
 	Lease int64
 	// Reserve, above zero, takes Units if the bucket then owes at most
-	// Reserve units (at most the capacity): Result.Level is then negative
-	// by what the caller must wait for, at Limit.Q units a microsecond.
+	// Reserve units: Result.Level is then negative by what the caller must
+	// wait for, at Limit.Q units a microsecond.
 	Reserve int64
 }
 
@@ -216,7 +216,7 @@ func (p *Pipe) Do(ctx context.Context, r Request) (Result, error) {
 	case modeLease:
 		c.extra = r.Limit.Units(r.Lease)
 	case modeReserve:
-		c.extra = min(r.Reserve, r.Limit.Cap())
+		c.extra = r.Reserve
 	}
 	return p.do(c)
 }

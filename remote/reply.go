@@ -63,7 +63,7 @@ func parseReply(v any, lim Limit, cost int64, m mode) (Result, error) {
 	}
 	capacity := lim.Cap()
 	allowed := flags&1 == 1
-	if flags < 0 || flags > 3 || level < -capacity || level > capacity || !allowed && (m == modeCharge || cost < 0 || cost <= level) ||
+	if flags < 0 || flags > 3 || level < -maxExact || level > capacity || !allowed && (m == modeCharge || cost < 0 || cost <= level) ||
 		allowed && m != modeCharge && m != modeReserve && cost >= 0 && level < 0 ||
 		leased < 0 || leased%lim.P != 0 || leased > capacity || !allowed && leased != 0 {
 		return Result{}, fmt.Errorf("%w: %v", ErrReply, vals)

@@ -68,8 +68,8 @@ func TestModelMatchesRedis(t *testing.T) {
 		cost := rl.Units(rng.Int64N(rl.Burst+2) - 1)
 		argv := []any{rl.Q, rl.P, rl.Cap(), cost}
 		switch rng.IntN(9) {
-		case 8: // a reservation, into debt up to a depth of at most one burst
-			argv = append(argv, "reserve", rng.Int64N(rl.Cap()+1))
+		case 8: // a reservation, into debt up to three bursts deep
+			argv = append(argv, "reserve", rng.Int64N(3*rl.Cap()+1))
 		case 0: // a charge, up to two bursts: into debt and past its floor
 			argv = append(argv, "charge")
 			argv[3] = rng.Int64N(2*rl.Cap() + 1)

@@ -441,8 +441,6 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 			}
 			if level > capacity {
 				level = capacity
-			} else if level < -capacity {
-				level = -capacity
 			}
 		} else {
 			flags = 2
@@ -459,9 +457,10 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 	leased := 0.0
 	if mode == "charge" {
 		flags++
-		level -= cost
-		if level < -capacity {
-			level = -capacity
+		if level-cost < -capacity {
+			level = math.Min(level, -capacity)
+		} else {
+			level -= cost
 		}
 		dirty = true
 	} else if mode == "reserve" {
