@@ -82,16 +82,7 @@ func TestCachedDenialsMatchRedis(t *testing.T) {
 // one per RetryAfter per instance, instead of every attempt.
 func TestCachedDenialsSpareRedis(t *testing.T) {
 	srv := redistest.Start(t)
-	calls := func() int64 {
-		info := srv.Do(t, "INFO", "commandstats").(string)
-		for _, line := range strings.Split(info, "\r\n") {
-			if rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:calls="); ok {
-				n, _ := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
-				return n
-			}
-		}
-		return 0
-	}
+	calls := func() int64 { return scriptCalls(t, srv) }
 	for _, cache := range []bool{true, false} {
 		srv.Do(t, "CONFIG", "RESETSTAT")
 		var lims []*Limiter
