@@ -37,7 +37,7 @@ func idle(b *testing.B, heartbeat time.Duration) {
 	srv := redistest.Start(b)
 	c := srv.Client(b)
 	for range n {
-		newLimiter(b, Config{Redis: c, Limit: PerSecond(2000), Name: "idle", Prefix: "idle:", Heartbeat: heartbeat})
+		newLimiter(b, Config{Redis: c, Limit: PerSecond(2000), Name: "idle", Prefix: "idle:", Heartbeat: heartbeat, Instances: n})
 	}
 	redisCPU := func() float64 {
 		var sum float64
