@@ -12,6 +12,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/internal/faultproxy"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
 )
@@ -385,5 +386,38 @@ func TestWaitNFairness(t *testing.T) {
 	}
 	if calls > 2*grants.Load()+12 {
 		t.Errorf("%d script calls for %d grants; want at most 2 per grant (and one last call per waiter)", calls, grants.Load())
+	}
+}
+
+// TestRefundKeepsOffAnOpenBreaker: a Refund while the node's breaker is
+// not closed goes nowhere: it neither takes the half-open ticket, which
+// would close the breaker on the refund's success before the local
+// spending was charged, nor reaches Redis.
+func TestRefundKeepsOffAnOpenBreaker(t *testing.T) {
+	m, c := miniClient(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1,
+		Breaker: BreakerConfig{Failures: 1, OpenFor: 10 * time.Millisecond, Jitter: -1}})
+	ctx := context.Background()
+	d, err := lim.AllowN(ctx, "k", 10)
+	if err != nil || !d.Allowed || d.Mode != ModeRemote {
+		t.Fatalf("AllowN(10) = %+v, %v; want allowed by Redis", d, err)
+	}
+	// Open the breaker without a failed call, so that the prober has no
+	// key to probe and leaves it alone.
+	ticket, ok := lim.single.cb.Allow()
+	if !ok {
+		t.Fatal("breaker closed but Allow refused")
+	}
+	ticket.Done(breaker.Failure)
+	time.Sleep(20 * time.Millisecond) // past the open period: the next Allow would be a probe
+	before := m.CommandCount()
+	if err := lim.Refund(ctx, "k", d, 5); err != nil {
+		t.Fatal(err)
+	}
+	if st := lim.single.cb.State(); st == breaker.StateClosed {
+		t.Errorf("breaker %v after a Refund while open; want it not closed by the refund", st)
+	}
+	if n := m.CommandCount() - before; n != 0 {
+		t.Errorf("Redis got %d commands from a Refund while the breaker was open; want none", n)
 	}
 }
