@@ -197,7 +197,10 @@ func TestReconcileChargesOwnSpending(t *testing.T) {
 	lim := newLimiter(t, Config{Redis: c, Limit: Limit{Rate: 100.0 / 3600, Burst: 100}, Instances: 100,
 		Heartbeat: -1, Breaker: BreakerConfig{OpenFor: 20 * time.Millisecond}})
 	ctx := context.Background()
-	m.SetError("LOADING Redis is loading the dataset in memory")
+	// An answer that the node cannot decide (OOM): the decisions fail at
+	// once, and none is left unanswered (which Redis might still run, and
+	// which go-redis retries for LOADING or READONLY).
+	m.SetError("OOM command not allowed when used memory > 'maxmemory'.")
 	allowed := 0
 	for range 10 {
 		if d, _ := lim.Allow(ctx, "k"); d.Allowed {
