@@ -27,8 +27,6 @@ package hybridlimit
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"math"
@@ -119,7 +117,6 @@ type Decision struct {
 // with New; the zero value is not usable.
 type Limiter struct {
 	cfg     Config
-	id      string                  // this instance, in the fleet
 	limit   atomic.Pointer[limits]  // the default limit; SetLimit changes it
 	view    atomic.Pointer[fleet]   // this instance's share of every limit
 	shares  *local.Shares           // local buckets and what Redis said per key
@@ -210,11 +207,8 @@ func New(cfg Config) (*Limiter, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	var id [8]byte
-	_, _ = rand.Read(id[:])
 	lim := &Limiter{
 		cfg:    cfg,
-		id:     hex.EncodeToString(id[:]),
 		shares: local.New(cfg.MaxLocalKeys),
 		healed: make(chan *node, 1),
 		owed:   make(chan struct{}, 1),
