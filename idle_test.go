@@ -3,8 +3,6 @@
 package hybridlimit
 
 import (
-	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -39,18 +37,6 @@ func idle(b *testing.B, heartbeat time.Duration) {
 	for range n {
 		newLimiter(b, Config{Redis: c, Limit: PerSecond(2000), Name: "idle", Prefix: "idle:", Heartbeat: heartbeat, Instances: n})
 	}
-	redisCPU := func() float64 {
-		var sum float64
-		for _, line := range strings.Split(srv.Do(b, "INFO", "cpu").(string), "\r\n") {
-			for _, f := range []string{"used_cpu_user:", "used_cpu_sys:"} {
-				if rest, ok := strings.CutPrefix(line, f); ok {
-					v, _ := strconv.ParseFloat(rest, 64)
-					sum += v
-				}
-			}
-		}
-		return sum
-	}
 	cpu := func() time.Duration {
 		var ru syscall.Rusage
 		if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
@@ -60,10 +46,10 @@ func idle(b *testing.B, heartbeat time.Duration) {
 	}
 	time.Sleep(4 * time.Second) // every Limiter past its first heartbeats
 	for b.Loop() {
-		c0, r0, t0 := cpu(), redisCPU(), time.Now()
+		c0, r0, t0 := cpu(), srv.CPU(b), time.Now()
 		time.Sleep(measure)
 		el := time.Since(t0)
 		b.ReportMetric(float64(cpu()-c0)/float64(el)*100, "%core")
-		b.ReportMetric((redisCPU()-r0)/el.Seconds()*100, "redis-%core")
+		b.ReportMetric((srv.CPU(b)-r0)/el.Seconds()*100, "redis-%core")
 	}
 }

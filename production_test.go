@@ -3,8 +3,6 @@ package hybridlimit
 import (
 	"context"
 	"fmt"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -328,19 +326,6 @@ func TestColdStart(t *testing.T) {
 	}
 }
 
-// scriptCalls returns how many EVALSHA srv has run.
-func scriptCalls(t *testing.T, srv *redistest.Server) int64 {
-	t.Helper()
-	info := srv.Do(t, "INFO", "commandstats").(string)
-	for _, line := range strings.Split(info, "\r\n") {
-		if rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:calls="); ok {
-			n, _ := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
-			return n
-		}
-	}
-	return 0
-}
-
 // TestWaitNFairness: 12 workers on 3 instances wait on one key for 4 s,
 // one of them for 5 tokens at a time and the others for 1. The one that asks for
 // more is not starved, the limit holds, and Redis runs about one script
@@ -355,7 +340,7 @@ func TestWaitNFairness(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
 	defer cancel()
-	before := scriptCalls(t, srv)
+	before := srv.Calls(t, "evalsha")
 	var wg sync.WaitGroup
 	var tokens, grants, big atomic.Int64
 	for i, lim := range lims {
@@ -379,7 +364,7 @@ func TestWaitNFairness(t *testing.T) {
 		}
 	}
 	wg.Wait()
-	calls := scriptCalls(t, srv) - before
+	calls := srv.Calls(t, "evalsha") - before
 	t.Logf("4 s, 12 waiters: %d tokens in %d grants (%d of them of 5 tokens), %d script calls", tokens.Load(), grants.Load(), big.Load(), calls)
 	if max := int64(rate*4 + burst); tokens.Load() > max {
 		t.Errorf("granted %d tokens in 4 s; want at most %d", tokens.Load(), max)

@@ -29,13 +29,13 @@ func BenchmarkFleetRedis(b *testing.B) {
 		srv := redistest.Start(b)
 		c := srv.Client(b)
 		ctx := context.Background()
-		cpu0 := redisCPU(b, srv)
+		cpu0 := srv.CPU(b)
 		for b.Loop() {
 			if err := c.Ping(ctx).Err(); err != nil {
 				b.Fatal(err)
 			}
 		}
-		b.ReportMetric((redisCPU(b, srv)-cpu0)*1e6/float64(b.N), "cpu-µs/op")
+		b.ReportMetric((srv.CPU(b)-cpu0)*1e6/float64(b.N), "cpu-µs/op")
 	})
 	for _, members := range []int{10, 100, 1000, 10000} {
 		b.Run("members="+strconv.Itoa(members), func(b *testing.B) {
@@ -65,7 +65,7 @@ func BenchmarkFleetRedis(b *testing.B) {
 				b.Fatal(err)
 			}
 			srv.Do(b, "CONFIG", "RESETSTAT")
-			cpu0 := redisCPU(b, srv)
+			cpu0 := srv.CPU(b)
 			i := 0
 			for b.Loop() {
 				// Member i%members reports; one in a hundred was not
@@ -84,24 +84,10 @@ func BenchmarkFleetRedis(b *testing.B) {
 			}
 			usec := info("commandstats", "cmdstat_evalsha:calls="+strconv.FormatFloat(calls, 'f', -1, 64)+",usec=")
 			b.ReportMetric(usec/calls, "redis-µs/op")
-			b.ReportMetric((redisCPU(b, srv)-cpu0)*1e6/calls, "cpu-µs/op")
+			b.ReportMetric((srv.CPU(b)-cpu0)*1e6/calls, "cpu-µs/op")
 			// At one heartbeat per member per second, the part of one
 			// core the fleet's heartbeats take.
 			b.ReportMetric(float64(members)*usec/calls/1e6*100, "%core")
 		})
 	}
-}
-
-// redisCPU returns used_cpu_user + used_cpu_sys of srv, in seconds.
-func redisCPU(b *testing.B, srv *redistest.Server) float64 {
-	var sum float64
-	for _, line := range strings.Split(srv.Do(b, "INFO", "cpu").(string), "\r\n") {
-		for _, f := range []string{"used_cpu_user:", "used_cpu_sys:"} {
-			if rest, ok := strings.CutPrefix(line, f); ok {
-				v, _ := strconv.ParseFloat(rest, 64)
-				sum += v
-			}
-		}
-	}
-	return sum
 }

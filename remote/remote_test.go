@@ -565,17 +565,26 @@ func TestReserve(t *testing.T) {
 // TestSlot: the slots Redis's own documentation gives, and hash tags.
 func TestSlot(t *testing.T) {
 	for key, want := range map[string]int{
-		"123456789":            12739, // CRC16-XMODEM's check value 0x31C3, mod 16384
-		"foo":                  12182,
-		"{user1000}.following": Slot("user1000"),
-		"foo{}{bar}":           Slot("foo{}{bar}"),
-		"{}x":                  Slot("{}x"),
+		"123456789": 12739, // CRC16-XMODEM's check value 0x31C3, mod 16384
+		"foo":       12182,
 	} {
 		if got := Slot(key); got != want {
 			t.Errorf("Slot(%q) = %d; want %d", key, got, want)
 		}
 	}
-	if Slot("{a}b") != Slot("a") {
-		t.Errorf("Slot({a}b) = %d; want Slot(a) = %d", Slot("{a}b"), Slot("a"))
+	// The hash tag rules of the Cluster specification: the first {...}
+	// that is not empty is hashed alone; an empty one is no tag.
+	for _, same := range [][2]string{
+		{"{user1000}.following", "{user1000}.followers"},
+		{"{user1000}.following", "user1000"},
+		{"foo{{bar}}zap", "{bar"},
+		{"foo{bar}{zap}", "bar"},
+	} {
+		if Slot(same[0]) != Slot(same[1]) {
+			t.Errorf("Slot(%q) = %d, Slot(%q) = %d; want equal", same[0], Slot(same[0]), same[1], Slot(same[1]))
+		}
+	}
+	if Slot("foo{}{bar}") == Slot("bar") || Slot("{}x") == Slot("x") {
+		t.Errorf("an empty {} was taken for a hash tag")
 	}
 }

@@ -302,3 +302,32 @@ func (s *Server) Do(t testing.TB, args ...any) any {
 	}
 	return v
 }
+
+// CPU returns the CPU time the server has used, user and system, in
+// seconds (INFO cpu).
+func (s *Server) CPU(t testing.TB) float64 {
+	t.Helper()
+	var sum float64
+	for _, line := range strings.Split(s.Do(t, "INFO", "cpu").(string), "\r\n") {
+		for _, f := range []string{"used_cpu_user:", "used_cpu_sys:"} {
+			if rest, ok := strings.CutPrefix(line, f); ok {
+				v, _ := strconv.ParseFloat(rest, 64)
+				sum += v
+			}
+		}
+	}
+	return sum
+}
+
+// Calls returns how many times the server has run command (lower case,
+// such as "evalsha"), from INFO commandstats.
+func (s *Server) Calls(t testing.TB, command string) int64 {
+	t.Helper()
+	for _, line := range strings.Split(s.Do(t, "INFO", "commandstats").(string), "\r\n") {
+		if rest, ok := strings.CutPrefix(line, "cmdstat_"+command+":calls="); ok {
+			n, _ := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
+			return n
+		}
+	}
+	return 0
+}
