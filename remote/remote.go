@@ -239,45 +239,6 @@ func (p *Pipe) Charge(ctx context.Context, key string, lim Limit, units int64) (
 	return p.Do(ctx, Request{Key: key, Limit: lim, Units: units, Charge: true})
 }
 
-// Spend is tokens spent without Redis, for ChargeAll to charge.
-type Spend struct {
-	Key   string
-	Limit Limit
-	Units int64 // units of 1/Limit.P token
-}
-
-// ChargeAll runs Charge for every spend, all queued at once so that they
-// share pipelines, and waits until each is answered or ctx ends. It returns
-// how many failed.
-func (p *Pipe) ChargeAll(ctx context.Context, charges []Spend) (failed int) {
-	calls := make([]*call, 0, len(charges))
-	for _, ch := range charges {
-		c := &call{ctx: ctx, key: ch.Key, lim: ch.Limit, cost: ch.Units, mode: modeCharge,
-			ready: make(chan struct{}, 1)}
-		select {
-		case p.calls <- c:
-			calls = append(calls, c)
-		case <-ctx.Done():
-			return failed + len(charges) - len(calls)
-		case <-p.done:
-			return failed + len(charges) - len(calls)
-		}
-	}
-	for _, c := range calls {
-		select {
-		case <-c.ready:
-			if c.err != nil {
-				failed++
-			}
-		case <-ctx.Done():
-			failed++
-		case <-p.done:
-			failed++
-		}
-	}
-	return failed
-}
-
 // do sends c, waits for its answer, and releases c if the answer came.
 func (p *Pipe) do(c *call) (Result, error) {
 	res, answered, err := p.doCall(c)
