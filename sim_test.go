@@ -443,12 +443,6 @@ type instance struct {
 func simulate(t *testing.T, s schedule) (map[string][]string, []record) {
 	v := map[string][]string{}
 	r := &simRun{s: s}
-	// remote's sync.Pool of calls holds channels, and a channel made in
-	// one bubble is fatal to use in another: empty the pool (a GC moves
-	// it to the victim cache, a second drops it), and run one bubble at
-	// a time.
-	runtime.GC()
-	runtime.GC()
 	func() {
 		defer func() {
 			if p := recover(); p != nil {
@@ -1330,6 +1324,7 @@ func TestSim(t *testing.T) {
 	t.Run("seeds", func(t *testing.T) {
 		for seed := *simFirst; seed < *simFirst+uint64(*simSeeds); seed++ {
 			t.Run(fmt.Sprint(seed), func(t *testing.T) {
+				t.Parallel()
 				sched := genSchedule(seed)
 				v, _ := simulate(t, sched)
 				mu.Lock()

@@ -74,6 +74,11 @@ type Pipe struct {
 	slots  chan struct{} // one token per batch in flight that a caller still waits for
 	done   chan struct{}
 	boxed  atomic.Pointer[boxed]
+	// pool holds answered calls for reuse. It is the Pipe's own, not the
+	// package's: a call holds a channel, and a channel must not pass
+	// between the Pipes of two synctest bubbles (the simulator runs
+	// several at once).
+	pool sync.Pool
 
 	mu     sync.RWMutex   // protects closed, and wg.Add against Close's wg.Wait
 	closed bool           // Close has begun
@@ -82,7 +87,7 @@ type Pipe struct {
 
 // call is one decision in flight. The worker fills res and err, then sends
 // on ready (buffered, so it never blocks); a caller that gave up never
-// reads it. Take and Charge reuse calls through callPool, but only once
+// reads it. Take and Charge reuse calls through their Pipe's pool, but only once
 // the worker is done with one: after its answer was received.
 type call struct {
 	ctx   context.Context
@@ -112,21 +117,22 @@ const (
 	modeReserve             // take cost units if the bucket then owes at most extra
 )
 
-var callPool = sync.Pool{New: func() any { return &call{ready: make(chan struct{}, 1)} }}
-
-// newCall returns a call from callPool, its ready channel empty.
-func newCall(ctx context.Context, key string, lim Limit, cost int64, m mode) *call {
-	c := callPool.Get().(*call)
+// newCall returns a call from p's pool, its ready channel empty.
+func (p *Pipe) newCall(ctx context.Context, key string, lim Limit, cost int64, m mode) *call {
+	c, _ := p.pool.Get().(*call)
+	if c == nil {
+		c = &call{ready: make(chan struct{}, 1)}
+	}
 	c.ctx, c.key, c.lim, c.cost, c.mode = ctx, key, lim, cost, m
 	return c
 }
 
-// release returns c to callPool. Only for a call whose answer was
+// release returns c to p's pool. Only for a call whose answer was
 // received: nothing else refers to it any more, and ready is empty.
-func (c *call) release() {
+func (p *Pipe) release(c *call) {
 	ready := c.ready
 	*c = call{ready: ready}
-	callPool.Put(c)
+	p.pool.Put(c)
 }
 
 // NewPipe returns a Pipe that runs the script through c. For a Redis
@@ -211,7 +217,7 @@ func (p *Pipe) Do(ctx context.Context, r Request) (Result, error) {
 	case r.Lease > 0:
 		m = modeLease
 	}
-	c := newCall(ctx, r.Key, r.Limit, r.Units, m)
+	c := p.newCall(ctx, r.Key, r.Limit, r.Units, m)
 	switch m {
 	case modeLease:
 		c.extra = r.Limit.Units(r.Lease)
@@ -243,7 +249,7 @@ func (p *Pipe) Charge(ctx context.Context, key string, lim Limit, units int64) (
 func (p *Pipe) do(c *call) (Result, error) {
 	res, answered, err := p.doCall(c)
 	if answered {
-		c.release()
+		p.release(c)
 	}
 	return res, err
 }
