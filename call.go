@@ -21,6 +21,12 @@ const (
 	// down: the node could not decide: its breaker is not closed, it
 	// failed, or it answered that it cannot (LOADING, READONLY, OOM, ...).
 	down
+	// broken: down, found at once: the connection the call went out on
+	// was closed or reset, as pooled connections are after a restart, a
+	// failover or a proxy's reset. Like down, the call may have run; a
+	// call that takes nothing (a probe) may be sent again at once on the
+	// client's next connection.
+	broken
 	// badValue: Redis answered, but not with a decision (a script error, a
 	// reply of the wrong shape): the node is healthy, the key is not.
 	badValue
@@ -99,6 +105,7 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	if verdict == breaker.Failure {
 		// The prober probes the node on the last key that failed there.
 		nd.probe.Store(&probe{key: req.Key, rl: req.Limit})
+		nd.failed.Store(lim.cfg.now().UnixNano())
 	}
 	if o == badValue {
 		lim.cfg.Logger.Error("hybridlimit: remote call failed", "key", req.Key, "err", err)
@@ -137,6 +144,8 @@ func (lim *Limiter) classify(ctx context.Context, err error, budget time.Duratio
 		return down, judged
 	case errors.Is(err, remote.ErrReply) || !remote.IsFailure(err):
 		return badValue, breaker.Success
+	case remote.IsBrokenConn(err):
+		return broken, breaker.Failure
 	}
 	return down, breaker.Failure
 }

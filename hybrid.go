@@ -173,6 +173,11 @@ type node struct {
 	// charged to it: decisions wait locally meanwhile, so that none takes
 	// from a bucket the charges have not reached yet.
 	settling atomic.Bool
+	// failed is when (lim.cfg.now, in Unix nanoseconds) a call to the node
+	// last failed: what Redis said of a key before then may be gone (a
+	// restart without its data fails the calls sent meanwhile), so it
+	// answers no cached denial.
+	failed atomic.Int64
 	// direct is the pipe of a Cluster node's probes, to its own address;
 	// made once, by the prober (probePipe).
 	once   sync.Once
@@ -526,7 +531,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		lim.fallback(key, n, ls, nd, d)
 		return nil
 	}
-	if !lim.cfg.noCache && reserve == 0 && lim.cached(key, n, ls, d) {
+	if !lim.cfg.noCache && reserve == 0 && lim.cached(nd, key, n, ls, d) {
 		lim.tally(key, n, ls, false, 0)
 		return nil
 	}
@@ -588,14 +593,15 @@ func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, res rem
 // then a lower bound of Redis's: other instances may have spent more.
 // A Refund by another instance, or a raised limit, can make the bucket
 // hold more than that bound; the error lasts at most one RetryAfter.
-func (lim *Limiter) cached(key string, n int64, ls *limits, d *Decision) bool {
+func (lim *Limiter) cached(nd *node, key string, n int64, ls *limits, d *Decision) bool {
 	tokens, r, at, ok := lim.shares.Seen(key)
 	// Rates are compared in the form they were recorded in, the fixed
 	// point's: the user's float can differ from it by a rounding step.
-	if !ok || r > ls.rl.Rate() || lim.cfg.now().Sub(at) > cachedFor {
+	if !ok || r > ls.rl.Rate() || lim.cfg.now().Sub(at) > cachedFor || at.UnixNano() <= nd.failed.Load() {
 		// The limit was lowered since (Redis refilled faster meanwhile),
-		// or Redis has not confirmed the key's state for too long: an
-		// operator may have deleted the key, or Redis lost it.
+		// Redis has not confirmed the key's state for too long (an
+		// operator may have deleted the key, or Redis lost it), or a
+		// call to the node failed since (it may have restarted empty).
 		return false
 	}
 	rl := ls.rl
@@ -603,7 +609,11 @@ func (lim *Limiter) cached(key string, n int64, ls *limits, d *Decision) bool {
 	// microsecond: units of 1/P token, Q units a microsecond.
 	capacity := rl.Burst * rl.P
 	units := min(int64(math.Round(tokens*float64(rl.P))), capacity)
-	us := int64(lim.cfg.now().Sub(at) / time.Microsecond)
+	// Rounded up: Redis counts whole microseconds of its clock, and the
+	// microseconds between two readings of it are at most the elapsed
+	// time rounded up. Rounded down, the cache could deny a microsecond
+	// before Redis's refill reaches n.
+	us := int64((lim.cfg.now().Sub(at) + time.Microsecond - 1) / time.Microsecond)
 	if us > (capacity-units)/rl.Q {
 		return false // full again
 	}

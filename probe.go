@@ -73,6 +73,11 @@ func (lim *Limiter) probePipe(nd *node) *remote.Pipe {
 	return nd.direct
 }
 
+// brokenRetries bounds how many more connections a probe tries after
+// finding one broken: go-redis drops each broken one from its pool, and
+// a pool holds ten per CPU by default.
+const brokenRetries = 32
+
 // anyOpen reports whether any node's breaker is not closed.
 func (lim *Limiter) anyOpen() bool {
 	open := false
@@ -120,7 +125,15 @@ func (lim *Limiter) probe(ctx context.Context, nd *node) {
 		if !ok {
 			return
 		}
-		_, _, verdict := lim.send(ctx, nd, lim.probePipe(nd), remote.Request{Key: p.key, Limit: p.rl, Charge: true})
+		pipe, req := lim.probePipe(nd), remote.Request{Key: p.key, Limit: p.rl, Charge: true}
+		_, o, verdict := lim.send(ctx, nd, pipe, req)
+		// A probe takes nothing, so it may run twice: on a connection
+		// found broken, it goes again on the client's next one rather
+		// than leaving the breaker open for another open period per
+		// connection the client pooled before Redis came back.
+		for again := 0; o == broken && again < brokenRetries; again++ {
+			_, o, verdict = lim.send(ctx, nd, pipe, req)
+		}
 		if verdict == breaker.Success && i >= lim.cfg.Breaker.Probes {
 			lim.reconcile(ctx, nd)
 		}

@@ -4,12 +4,15 @@ package hybridlimit
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"net"
+	"os"
+	"os/exec"
 	"runtime"
 	"slices"
 	"sort"
@@ -38,6 +41,8 @@ var (
 	simSeeds = flag.Int("sim.seeds", 300, "simulator: seeds to run (from -sim.first); 2000 is the long run")
 	simFirst = flag.Uint64("sim.first", 1, "simulator: first seed")
 	simSeed  = flag.Int64("sim.seed", -1, "simulator: replay this one seed, shrink it, print its schedule and decisions")
+	simChild = flag.Bool("sim.child", false, "simulator: run the seeds here, one at a time, and print each one's result (for TestSim's own processes)")
+	simTrace = flag.Bool("sim.trace", false, "simulator: with -sim.seed, print every breaker change and every change of an instance's mode")
 )
 
 // Invariant names, in the order the summary prints them.
@@ -93,15 +98,20 @@ type schedule struct {
 	Waiters   int     // WaitN workers on instance 0
 	Refunds   float64 // part of admitted decisions refunded
 	Duration  time.Duration
-	Events    []event
+	// TLS: the clients cannot ask the kernel about a pooled connection
+	// (go-redis checks only a connection that is itself a socket, and a
+	// tls.Conn is not), so a connection a reset broke fails the command
+	// that next uses it.
+	TLS    bool
+	Events []event
 }
 
 func (s schedule) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "seed %d: %d instances (%d slots, Config.Instances %d), %v, limit %v, Timeout %v, Probes %d,\n",
 		s.Seed, s.Instances, s.Slots, s.CfgInst, s.Policy, s.Limit, s.Timeout, s.Probes)
-	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, %v\n",
-		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.Duration)
+	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, TLS %v, %v\n",
+		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.TLS, s.Duration)
 	for _, e := range s.Events {
 		fmt.Fprintf(&b, "  %v\n", e)
 	}
@@ -131,6 +141,9 @@ func (s schedule) features() []string {
 	if s.Refunds > 0 {
 		f = append(f, "refunds")
 	}
+	if s.TLS {
+		f = append(f, "tls")
+	}
 	kinds := map[string]bool{}
 	for _, e := range s.Events {
 		kinds[e.Kind] = true
@@ -151,6 +164,9 @@ func genSchedule(seed uint64) schedule {
 		return lo + time.Duration(r.Int64N(int64(hi-lo)/int64(time.Millisecond)+1))*time.Millisecond
 	}
 	s := schedule{Seed: seed, Duration: dur(2500*time.Millisecond, 4500*time.Millisecond)}
+	// Drawn from a stream of its own, so that adding it left every
+	// seed's other draws as they were.
+	s.TLS = rand.New(rand.NewPCG(seed, 0x7150)).IntN(3) == 0
 	switch x := r.IntN(20); {
 	case x < 12:
 		s.Instances = 1 + r.IntN(3)
@@ -303,15 +319,17 @@ type interval struct{ from, to time.Duration }
 
 // simRun is one simulation.
 type simRun struct {
-	s       schedule
-	t0      time.Time
-	srv     *simredis.Server
-	links   []*simnet.Link
-	mu      sync.Mutex // protects recs, charges, spins, heard
-	recs    []record
-	charges []charge
-	spins   []string
-	heard   map[int]time.Duration // slot: when its first heartbeat ran in Redis
+	s        schedule
+	t0       time.Time
+	srv      *simredis.Server
+	links    []*simnet.Link
+	mu       sync.Mutex                      // protects recs, charges, spins, heard, answered
+	answered map[answeredKey][]time.Duration // when the server ran each slot's script calls, by key
+	breakers []breakerChange
+	recs     []record
+	charges  []charge
+	spins    []string
+	heard    map[int]time.Duration // slot: when its first heartbeat ran in Redis
 	// fault intervals per slot, filled from the schedule before the run
 	cut     [][]interval // hang or kill: no answer can come
 	killed  []interval   // kill intervals (all slots)
@@ -427,7 +445,14 @@ func (o *simObserver) ObserveDecision(e DecisionEvent) {
 	}
 }
 
-func (o *simObserver) ObserveBreaker(BreakerEvent) {}
+func (o *simObserver) ObserveBreaker(e BreakerEvent) {
+	o.r.mu.Lock()
+	o.r.breakers = append(o.r.breakers, breakerChange{o.inst, o.r.since(), e.To != "closed"})
+	o.r.mu.Unlock()
+	if *simTrace {
+		fmt.Printf("%12v inst %d breaker %s: %s -> %s\n", o.r.since(), o.inst, e.Node, e.From, e.To)
+	}
+}
 
 // instance is one Limiter of the fleet and its client.
 type instance struct {
@@ -488,7 +513,12 @@ func (r *simRun) run() {
 	r.t0 = time.Now()
 	r.plan()
 	r.srv = simredis.New()
+	r.answered = map[answeredKey][]time.Duration{}
 	r.srv.Hook = func(tag int, key string, argv []string, _ any) {
+		r.mu.Lock()
+		k := answeredKey{tag, strings.TrimPrefix(key, DefaultPrefix)}
+		r.answered[k] = append(r.answered[k], r.since())
+		r.mu.Unlock()
 		if len(argv) > 4 && argv[4] == "charge" {
 			var units int64
 			fmt.Sscan(argv[3], &units)
@@ -547,7 +577,11 @@ func (r *simRun) run() {
 		client := redis.NewClient(&redis.Options{
 			Addr: "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
 			Dialer: func(context.Context, string, string) (net.Conn, error) {
-				return link.Dial(func(c net.Conn) { r.srv.Serve(c, i) })
+				c, err := link.Dial(func(c net.Conn) { r.srv.Serve(c, i) })
+				if err != nil || !s.TLS {
+					return c, err
+				}
+				return struct{ net.Conn }{c}, nil // no SyscallConn, as a tls.Conn
 			},
 		})
 		ictx, stop := context.WithCancel(ctx)
@@ -843,6 +877,7 @@ func (r *simRun) waiter(ctx context.Context, i, w int, in *instance) {
 		err := in.lim.WaitN(wctx, "k0", n)
 		cancel()
 		rec.end, rec.err, rec.allowed = r.since(), err, err == nil
+		rec.weight = in.lim.Stats().Weight
 		r.mu.Lock()
 		r.recs = append(r.recs, rec)
 		r.mu.Unlock()
@@ -947,11 +982,18 @@ func (r *simRun) check(v map[string][]string) {
 				}
 			}
 			if ok && rec.end < c.to {
-				add("remote-while-down", "instance %d AllowN(%s) at %v: ModeRemote (allowed %v) while Redis was cut off %v-%v",
-					rec.inst, rec.key, rec.start, rec.allowed, c.from, c.to)
+				add("remote-while-down", "instance %d AllowN(%s) at %v-%v: ModeRemote (allowed %v, cached %v) while Redis was cut off %v-%v",
+					rec.inst, rec.key, rec.start, rec.end, rec.allowed, rec.cached, c.from, c.to)
 			}
 		}
-		if rec.staleDeny {
+		// What Redis lost, a cached denial cannot know until the instance
+		// next hears from it: a denial answered from before a kill, less
+		// than cachedFor after it began, is the design's allowance.
+		lost := false
+		for _, k := range r.killed {
+			lost = lost || rec.cached && k.from <= rec.start && rec.start-k.from < cachedFor
+		}
+		if rec.staleDeny && !lost {
 			add("stale-denial", "instance %d AllowN(%s, %d) at %v: remote denial while Redis's bucket held %d tokens or more",
 				rec.inst, rec.key, rec.n, rec.start, rec.n)
 		}
@@ -1002,23 +1044,23 @@ func (r *simRun) check(v map[string][]string) {
 	r.checkCharges(add)
 }
 
-// observed returns when slot i last heard Redis answer a decision on key
-// by time t: the end of its latest uncached remote decision, or of a WaitN
-// (whose mode is not reported), that ended by t.
+// observed returns when the server last ran a script call of slot i on
+// key by time t: the latest moment at which the instance can have learnt
+// the key's state from Redis (it records the time it sent the call, which
+// is no later). Decisions, WaitN reservations, refunds and charges alike.
 func (r *simRun) observed(i int, key string, t time.Duration) (time.Duration, bool) {
-	var at time.Duration
-	seen := false
-	for _, rec := range r.recs {
-		if rec.inst != i || rec.key != key || rec.end > t || rec.err != nil && !rec.wait {
-			continue
-		}
-		if rec.wait || rec.mode == ModeRemote && !rec.cached {
-			if !seen || rec.end > at {
-				at, seen = rec.end, true
-			}
-		}
+	times := r.answered[answeredKey{i, key}]
+	j, _ := slices.BinarySearch(times, t+1)
+	if j == 0 {
+		return 0, false
 	}
-	return at, seen
+	return times[j-1], true
+}
+
+// answeredKey names the script calls of one slot on one key.
+type answeredKey struct {
+	inst int
+	key  string
 }
 
 // admission is tokens admitted at a time, by whom.
@@ -1040,10 +1082,49 @@ func (r *simRun) admissions(key string) []admission {
 			!rec.wait && rec.mode == ModeFailOpen || rec.wait && r.s.Policy == FailOpen {
 			continue
 		}
-		out = append(out, admission{rec.end, rec.n, rec.inst, !rec.wait && rec.mode == ModeLocal, rec.weight})
+		local := rec.mode == ModeLocal
+		if rec.wait {
+			// WaitN does not say which path granted it: one that
+			// overlapped a fault or an unclosed breaker may have been
+			// granted by the local share.
+			local = r.mayBeLocal(rec)
+		}
+		out = append(out, admission{rec.end, rec.n, rec.inst, local, rec.weight})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].at < out[j].at })
 	return out
+}
+
+// mayBeLocal reports whether rec, a WaitN, overlapped a fault of its
+// instance or a time its breaker was not closed.
+func (r *simRun) mayBeLocal(rec record) bool {
+	for _, c := range r.disturb[rec.inst] {
+		if c.from <= rec.end && rec.start < c.to {
+			return true
+		}
+	}
+	open := false // the breaker's state at rec.start
+	for _, b := range r.breakers {
+		if b.inst != rec.inst || b.at > rec.end {
+			continue
+		}
+		if b.at < rec.start {
+			open = b.open
+			continue
+		}
+		if b.open {
+			return true
+		}
+	}
+	return open
+}
+
+// breakerChange is an instance's breaker leaving (open) or reaching the
+// closed state.
+type breakerChange struct {
+	inst int
+	at   time.Duration
+	open bool
 }
 
 // checkWindows checks that the fleet admits no more on a key in any
@@ -1080,6 +1161,11 @@ func (r *simRun) checkWindows(add func(string, string, ...any)) {
 	for k := range s.Keys {
 		key := fmt.Sprintf("k%d", k)
 		adm := r.admissions(key)
+		if *simTrace && *simSeed >= 0 {
+			for _, x := range adm {
+				fmt.Printf("%12v inst %d %s: admitted %d (local %v, weight %.3f)\n", x.at, x.inst, key, x.n, x.local, x.weight)
+			}
+		}
 		check := func(a, b time.Duration) bool {
 			w := (b - a).Seconds()
 			base := rmax*w + float64(bmax)
@@ -1097,7 +1183,14 @@ func (r *simRun) checkWindows(add func(string, string, ...any)) {
 			for _, w := range weights {
 				sum += w
 			}
-			allow := math.Min(1, sum) * base
+			// The shares add up to at most the limit when Instances
+			// counts the fleet; a pod told fewer than there are holds
+			// 1/Instances before it hears from the fleet, and so may
+			// every other such pod.
+			allow := sum * base
+			if s.CfgInst >= s.Slots {
+				allow = math.Min(1, sum) * base
+			}
 			allow += float64(bmax) * float64(count(heals, a-time.Second, b))
 			allow += float64(bmax) * float64(count(losses, a-time.Second, b))
 			if float64(got) > base+allow+1e-9 {
@@ -1312,40 +1405,49 @@ func (r *simRun) checkCharges(add func(string, string, ...any)) {
 // TestSim runs the simulator over -sim.seeds seeds from -sim.first, or
 // replays -sim.seed, and fails on any invariant violated. The log ends
 // with how many seeds failed each invariant.
+//
+// The seeds run one bubble at a time in each of GOMAXPROCS processes (this
+// test binary, run again on a share of the seeds): go-redis keeps timers
+// in a package-level sync.Pool, and a timer made in one synctest bubble is
+// fatal to use in another, so bubbles in one process cannot overlap, and
+// the pool is emptied between them.
 func TestSim(t *testing.T) {
 	if *simSeed >= 0 {
 		replay(t, uint64(*simSeed))
 		return
 	}
-	var mu sync.Mutex
+	start := time.Now()
+	var results []seedResult
+	if procs := runtime.GOMAXPROCS(0); *simChild || procs == 1 || *simSeeds < 2*procs {
+		for seed := *simFirst; seed < *simFirst+uint64(*simSeeds); seed++ {
+			results = append(results, runSeed(t, seed))
+		}
+		if *simChild {
+			for _, r := range results {
+				b, _ := json.Marshal(r)
+				fmt.Printf("%s%s\n", simResultPrefix, b)
+			}
+			return
+		}
+	} else {
+		results = runChildren(t, procs)
+	}
+	elapsed := time.Since(start)
 	failed := map[string][]uint64{}
 	feats := map[string]map[string]int{} // invariant, feature: failing seeds
-	start := time.Now()
-	t.Run("seeds", func(t *testing.T) {
-		for seed := *simFirst; seed < *simFirst+uint64(*simSeeds); seed++ {
-			t.Run(fmt.Sprint(seed), func(t *testing.T) {
-				t.Parallel()
-				sched := genSchedule(seed)
-				v, _ := simulate(t, sched)
-				mu.Lock()
-				for name := range v {
-					if feats[name] == nil {
-						feats[name] = map[string]int{}
-					}
-					for _, f := range sched.features() {
-						feats[name][f]++
-					}
-				}
-				for name := range v {
-					failed[name] = append(failed[name], seed)
-				}
-				mu.Unlock()
-			})
+	for _, r := range results {
+		for _, name := range r.Failed {
+			failed[name] = append(failed[name], r.Seed)
+			if feats[name] == nil {
+				feats[name] = map[string]int{}
+			}
+			for _, f := range r.Features {
+				feats[name][f]++
+			}
 		}
-	})
-	elapsed := time.Since(start)
+	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "%d seeds in %v (%.0f seeds/s)\n", *simSeeds, elapsed.Round(time.Millisecond), float64(*simSeeds)/elapsed.Seconds())
+	fmt.Fprintf(&b, "%d seeds in %v (%.0f seeds/s)\n", len(results), elapsed.Round(time.Millisecond), float64(len(results))/elapsed.Seconds())
 	any := false
 	for _, name := range invariants {
 		seeds := failed[name]
@@ -1364,6 +1466,9 @@ func TestSim(t *testing.T) {
 		b.WriteString("\n")
 	}
 	t.Log(b.String())
+	if len(results) != *simSeeds {
+		t.Errorf("%d seeds run, want %d", len(results), *simSeeds)
+	}
 	if any {
 		for _, name := range invariants {
 			if seeds := failed[name]; len(seeds) > 0 {
@@ -1373,13 +1478,95 @@ func TestSim(t *testing.T) {
 	}
 }
 
+// seedResult is what one seed's run found: the invariants it failed.
+type seedResult struct {
+	Seed     uint64
+	Failed   []string
+	Features []string
+}
+
+// simResultPrefix starts the lines in which a child process reports a
+// seed's result.
+const simResultPrefix = "SIMRESULT "
+
+// runSeed simulates seed in a bubble of its own, after emptying the
+// package-level pools that may hold another bubble's timers.
+func runSeed(t *testing.T, seed uint64) seedResult {
+	// A GC moves a sync.Pool's contents to its victim cache, a second
+	// drops them.
+	runtime.GC()
+	runtime.GC()
+	sched := genSchedule(seed)
+	v, _ := simulate(t, sched)
+	r := seedResult{Seed: seed, Features: sched.features()}
+	for name := range v {
+		r.Failed = append(r.Failed, name)
+	}
+	slices.Sort(r.Failed)
+	return r
+}
+
+// runChildren runs the seeds in procs processes, each on every procs-th
+// seed, and gathers their results.
+func runChildren(t *testing.T, procs int) []seedResult {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		results []seedResult
+	)
+	first, n := *simFirst, uint64(*simSeeds)
+	for p := range uint64(procs) {
+		lo, hi := first+n*p/uint64(procs), first+n*(p+1)/uint64(procs)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cmd := exec.Command(exe, "-test.run=^TestSim$", "-test.count=1", "-test.timeout=0",
+				"-sim.child", fmt.Sprintf("-sim.first=%d", lo), fmt.Sprintf("-sim.seeds=%d", hi-lo))
+			cmd.Env = append(os.Environ(), "GOMAXPROCS=1")
+			out, err := cmd.CombinedOutput()
+			var got []seedResult
+			for line := range strings.Lines(string(out)) {
+				if rest, ok := strings.CutPrefix(strings.TrimSpace(line), simResultPrefix); ok {
+					var r seedResult
+					if jerr := json.Unmarshal([]byte(rest), &r); jerr == nil {
+						got = append(got, r)
+					}
+				}
+			}
+			if err != nil || len(got) != int(hi-lo) {
+				tail := out[max(0, len(out)-4000):]
+				t.Errorf("simulator process for seeds %d-%d: %v, %d of %d results; its output ends:\n%s", lo, hi-1, err, len(got), hi-lo, tail)
+			}
+			mu.Lock()
+			results = append(results, got...)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	return results
+}
+
 // replay runs one seed, prints its schedule and violations, and shrinks
 // the schedule by dropping events one at a time while it still fails an
 // invariant the whole schedule failed.
 func replay(t *testing.T, seed uint64) {
 	s := genSchedule(seed)
 	t.Logf("replay: go test -run 'TestSim$' -sim.seed=%d -v .\n%v", seed, s)
-	v, _ := simulate(t, s)
+	v, recs := simulate(t, s)
+	if *simTrace {
+		last := map[[2]any]Mode{}
+		for _, rec := range recs {
+			k := [2]any{rec.inst, rec.key}
+			if m, ok := last[k]; !ok || m != rec.mode {
+				fmt.Printf("%12v inst %d %s: %v (allowed %v, cached %v, err %v)\n", rec.start, rec.inst, rec.key, rec.mode, rec.allowed, rec.cached, rec.err)
+				last[k] = rec.mode
+			}
+		}
+	}
 	if len(v) == 0 {
 		t.Log("no invariant failed")
 		return

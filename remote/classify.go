@@ -3,6 +3,9 @@ package remote
 import (
 	"context"
 	"errors"
+	"io"
+	"net"
+	"syscall"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -53,4 +56,14 @@ func IsFailure(err error) bool {
 		// BUSYGROUP out; they are answers, not states.
 		redis.HasErrorPrefix(rerr, "BUSY ") ||
 		redis.HasErrorPrefix(rerr, "MISCONF ")
+}
+
+// IsBrokenConn reports whether err says that the connection a command went
+// out on was already closed or reset by the other end: what a client
+// meets on the connections it pooled before a restart, a failover or a
+// proxy's reset, one connection after another. A time-out is not one.
+func IsBrokenConn(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) ||
+		errors.Is(err, net.ErrClosed)
 }

@@ -298,6 +298,69 @@ func (c *Conn) Close() error {
 	return nil
 }
 
+// SyscallConn lets a client ask the kernel, as go-redis does of every
+// pooled connection it takes, whether the peer closed the connection or
+// sent something unasked, without reading. A Conn has no socket: the
+// RawConn answers with one of three sockets kept for the purpose, one
+// whose peer closed (a reset or closed Conn), one holding a byte (replies
+// waiting) and one idle (healthy), so that a client drops the connections
+// a reset broke before using them, as it would over TCP.
+func (c *Conn) SyscallConn() (syscall.RawConn, error) { return rawConn{c}, nil }
+
+type rawConn struct{ c *Conn }
+
+func (r rawConn) Control(f func(fd uintptr)) error { f(uintptr(r.fd())); return nil }
+
+func (r rawConn) Read(f func(fd uintptr) bool) error {
+	f(uintptr(r.fd()))
+	return nil
+}
+
+func (r rawConn) Write(f func(fd uintptr) bool) error {
+	f(uintptr(r.fd()))
+	return nil
+}
+
+// fd returns the socket that stands for the state of r's Conn.
+func (r rawConn) fd() int {
+	probes.once.Do(probes.open)
+	d := r.c.down
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch {
+	case d.err != nil && (d.hard || len(d.chunks) == 0):
+		return probes.closed
+	case len(d.chunks) > 0 && !time.Now().Before(d.chunks[0].at):
+		return probes.data
+	}
+	return probes.idle
+}
+
+// probes are the sockets a RawConn answers with, made once per process
+// and never closed.
+var probes probeSockets
+
+type probeSockets struct {
+	once               sync.Once
+	idle, data, closed int
+}
+
+func (p *probeSockets) open() {
+	pair := func() [2]int {
+		fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM, 0)
+		if err != nil {
+			panic("simnet: socketpair: " + err.Error())
+		}
+		return fds
+	}
+	idle, data, closed := pair(), pair(), pair()
+	if _, err := syscall.Write(data[1], []byte{'+'}); err != nil {
+		panic("simnet: write: " + err.Error())
+	}
+	syscall.Close(closed[1])
+	p.idle, p.data, p.closed = idle[0], data[0], closed[0]
+}
+
 // LocalAddr returns a placeholder address.
 func (c *Conn) LocalAddr() net.Addr { return addr("client") }
 

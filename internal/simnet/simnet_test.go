@@ -1,0 +1,53 @@
+package simnet_test
+
+import (
+	"context"
+	"net"
+	"testing"
+	"testing/synctest"
+
+	"github.com/hybridlimit/hybridlimit/internal/simnet"
+	"github.com/hybridlimit/hybridlimit/internal/simredis"
+	"github.com/redis/go-redis/v9"
+)
+
+// TestResetConnsDroppedFromPool: over TCP, go-redis asks the kernel about
+// each pooled connection before it uses one, and drops those the peer
+// reset; a Conn must answer the same, or every connection a reset broke
+// fails one command after the reset.
+func TestResetConnsDroppedFromPool(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := simredis.New()
+		defer srv.Close()
+		link := simnet.NewLink()
+		c := redis.NewClient(&redis.Options{
+			Addr:       "sim:6379",
+			Protocol:   2,
+			MaxRetries: -1, // as the limiter's scripts are never retried
+			Dialer: func(context.Context, string, string) (net.Conn, error) {
+				return link.Dial(func(c net.Conn) { srv.Serve(c, 0) })
+			},
+		})
+		defer c.Close()
+		ctx := context.Background()
+		// Fill the pool with several connections.
+		done := make(chan error, 8)
+		for range 8 {
+			go func() { done <- c.Ping(ctx).Err() }()
+		}
+		for range 8 {
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+		}
+		if got := link.Dials(); got < 2 {
+			t.Fatalf("dials: %d, want several pooled connections", got)
+		}
+		link.Reset()
+		for i := range 8 {
+			if err := c.Ping(ctx).Err(); err != nil {
+				t.Fatalf("ping %d after the reset: %v", i, err)
+			}
+		}
+	})
+}
