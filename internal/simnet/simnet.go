@@ -107,8 +107,10 @@ func (l *Link) delay() time.Duration {
 }
 
 // Dial returns the client end of a new connection and hands the server end
-// to serve, which must read it until it returns an error. It fails with a
-// refused-connection error while Refuse is on.
+// to serve, which must read it until it returns an error. It takes the
+// link's latency, as a TCP handshake takes a round trip (a hung server's
+// kernel still completes it), and fails with a refused-connection error
+// while Refuse is on.
 func (l *Link) Dial(serve func(net.Conn)) (net.Conn, error) {
 	l.mu.Lock()
 	if l.refuse {
@@ -116,9 +118,12 @@ func (l *Link) Dial(serve func(net.Conn)) (net.Conn, error) {
 		return nil, &net.OpError{Op: "dial", Net: "sim", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
 	}
 	l.dials++
+	delay := l.latency
 	c := &Conn{link: l, up: newStream(), down: newStream()}
 	l.conns[c] = struct{}{}
 	l.mu.Unlock()
+	// The handshake is a round trip: its latency, like a reply's.
+	time.Sleep(delay)
 	serve(&serverEnd{c})
 	return c, nil
 }

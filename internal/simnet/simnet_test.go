@@ -5,6 +5,7 @@ import (
 	"net"
 	"testing"
 	"testing/synctest"
+	"time"
 
 	"github.com/hybridlimit/hybridlimit/internal/simnet"
 	"github.com/hybridlimit/hybridlimit/internal/simredis"
@@ -21,7 +22,7 @@ func TestResetConnsDroppedFromPool(t *testing.T) {
 		defer srv.Close()
 		link := simnet.NewLink()
 		c := redis.NewClient(&redis.Options{
-			Addr:       "sim:6379",
+			Addr:       "10.0.0.1:6379", // an IP: a hostname would be looked up,
 			Protocol:   2,
 			MaxRetries: -1, // as the limiter's scripts are never retried
 			Dialer: func(context.Context, string, string) (net.Conn, error) {
@@ -47,6 +48,37 @@ func TestResetConnsDroppedFromPool(t *testing.T) {
 		for i := range 8 {
 			if err := c.Ping(ctx).Err(); err != nil {
 				t.Fatalf("ping %d after the reset: %v", i, err)
+			}
+		}
+	})
+}
+
+// TestLatencyOncePerReply: a link's latency delays each reply once, as a
+// longer path does, whatever the number of writes the server makes of it.
+func TestLatencyOncePerReply(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := simredis.New()
+		defer srv.Close()
+		link := simnet.NewLink()
+		c := redis.NewClient(&redis.Options{
+			Addr:       "10.0.0.1:6379", // an IP: a hostname would be looked up,
+			Protocol:   2,
+			MaxRetries: -1,
+			Dialer: func(context.Context, string, string) (net.Conn, error) {
+				return link.Dial(func(c net.Conn) { srv.Serve(c, 0) })
+			},
+		})
+		defer c.Close()
+		ctx := context.Background()
+		if err := c.Ping(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		link.SetLatency(15 * time.Millisecond)
+		for _, cmd := range []redis.Cmder{redis.NewStatusCmd(ctx, "PING"), redis.NewCmd(ctx, "EVAL", "return {1, 2, 3}", "0")} {
+			start := time.Now()
+			_ = c.Process(ctx, cmd)
+			if took := time.Since(start); took != 15*time.Millisecond {
+				t.Errorf("%v took %v, want the link's latency, 15ms", cmd.Args()[0], took)
 			}
 		}
 	})
