@@ -9,6 +9,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -50,7 +51,7 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
-	if _, err := sc.run(ctx, os.Stdout); err != nil {
+	if _, err := sc.run(ctx, os.Stdout); err != nil && !errors.Is(err, context.Canceled) {
 		log.Fatal(err)
 	}
 }
