@@ -2,6 +2,7 @@ package remote
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -91,21 +92,20 @@ func TestPeek(t *testing.T) {
 
 	// A foreign value reads as the full bucket a decision would make of
 	// it, and stays.
-	for name, set := range map[string]func(){
-		"string": func() { m.Set("f", "hello") },
-		"hash":   func() { m.HSet("f", "a", "b") },
-	} {
-		m.Del("f")
-		set()
-		if res := peek(t, p, "f", lim); !res.Allowed || !res.Repaired || res.Level != lim.Cap() {
-			t.Errorf("peek of a foreign %s = %+v; want allowed, repaired, level %d", name, res, lim.Cap())
-		}
-		if typ := m.Type("f"); name == "hash" && typ != "hash" || name == "string" && typ != "string" {
-			t.Errorf("peek of a foreign %s left a %s", name, typ)
-		}
+	m.Set("f", "hello")
+	if res := peek(t, p, "f", lim); !res.Allowed || !res.Repaired || res.Level != lim.Cap() {
+		t.Errorf("peek of a foreign string = %+v; want allowed, repaired, level %d", res, lim.Cap())
 	}
-	if got, _ := m.Get("f"); got != "" {
-		t.Errorf("peek of a hash: GET = %q", got)
+	if got, _ := m.Get("f"); got != "hello" {
+		t.Errorf("peek of a foreign string left %q", got)
+	}
+	m.Del("f")
+	m.HSet("f", "a", "b")
+	if res := peek(t, p, "f", lim); !res.Allowed || !res.Repaired || res.Level != lim.Cap() {
+		t.Errorf("peek of a hash = %+v; want allowed, repaired, level %d", res, lim.Cap())
+	}
+	if typ := m.Type("f"); typ != "hash" || m.HGet("f", "a") != "b" {
+		t.Errorf("peek of a hash left a %s", typ)
 	}
 }
 
@@ -244,5 +244,55 @@ func TestAtMostExact(t *testing.T) {
 	}
 	if v, err := c.Get(ctx, key).Bytes(); err != nil && err != redis.Nil || len(v) != 22 {
 		t.Errorf("GET = %x, %v", v, err)
+	}
+}
+
+// TestParsePeekAndReset: replies of the new modes that cannot be right
+// are errors: a reset that did not leave a full bucket, a peek that says
+// allowed on a bucket in debt.
+func TestParsePeekAndReset(t *testing.T) {
+	lim := Limit{Q: 1, P: 100000, Burst: 10}
+	if res, err := parseReply([]any{int64(1), lim.Cap(), int64(1)}, lim, 0, modeReset); err != nil || res.Level != lim.Cap() {
+		t.Errorf("reset reply = %+v, %v; want a full bucket", res, err)
+	}
+	for _, bad := range [][]any{{int64(1), lim.Cap() - 1, int64(1)}, {int64(0), lim.Cap(), int64(1)}} {
+		if res, err := parseReply(bad, lim, 0, modeReset); !errors.Is(err, ErrReply) {
+			t.Errorf("reset reply %v = %+v, %v; want ErrReply", bad, res, err)
+		}
+	}
+	if res, err := parseReply([]any{int64(0), int64(-5), int64(1)}, lim, 0, modePeek); err != nil || res.Allowed || res.RetryAfter != 5*time.Microsecond {
+		t.Errorf("peek reply in debt = %+v, %v; want not allowed, RetryAfter 5µs", res, err)
+	}
+	if res, err := parseReply([]any{int64(1), int64(-5), int64(1)}, lim, 0, modePeek); !errors.Is(err, ErrReply) {
+		t.Errorf("peek reply allowed in debt = %+v, %v; want ErrReply", res, err)
+	}
+}
+
+// BenchmarkPeek compares a look with a decision on a real redis-server,
+// one key, from parallel callers.
+func BenchmarkPeek(b *testing.B) {
+	srv := redistest.Start(b)
+	c := srv.Client(b)
+	lim := Limit{Q: 1, P: 1, Burst: 1 << 40} // never empty
+	for _, bc := range []struct {
+		name string
+		req  Request
+	}{
+		{"take", Request{Key: "k", Limit: lim, Units: 1}},
+		{"peek", Request{Key: "k", Limit: lim, Peek: true}},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			p := NewPipe(c, 0)
+			defer p.Close()
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					if _, err := p.Do(context.Background(), bc.req); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			})
+		})
 	}
 }
