@@ -77,7 +77,7 @@ func (lim *Limiter) Peek(ctx context.Context, key string) (Status, error) {
 		st.Leased = lim.shares.Leased(lim.cfg.now(), key)
 	}
 	rl := ls.rl
-	res, o, err := lim.op(ctx, key, remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Peek: true})
+	res, o, err := lim.op(ctx, remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Peek: true})
 	switch {
 	case err != nil:
 		return Status{}, err
@@ -132,7 +132,7 @@ func (lim *Limiter) Reset(ctx context.Context, key string) error {
 	}
 	rl := ls.rl
 	sent := lim.cfg.now()
-	res, o, err := lim.op(ctx, key, remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Reset: true})
+	res, o, err := lim.op(ctx, remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Reset: true})
 	// After the answer: what an earlier decision's answer recorded goes,
 	// and the reset's own answer, later in Redis's time than any of
 	// theirs, is what later answers are ordered against.
@@ -170,12 +170,19 @@ func (lim *Limiter) checkOp(ctx context.Context, key string) (*limits, error) {
 	return ls, nil
 }
 
-// op sends req for key on the decisions' path: to the key's node while
+// op sends req on the decisions' path: to the key's node while
 // its breaker is closed, through call. err is set only when there is
 // nothing to report: Close, or ctx ended; any other outcome but answered
 // means Redis did not answer.
-func (lim *Limiter) op(ctx context.Context, key string, req remote.Request) (remote.Result, outcome, error) {
-	nd, err := lim.nodeFor(ctx, req.Key)
+func (lim *Limiter) op(ctx context.Context, req remote.Request) (remote.Result, outcome, error) {
+	wait := ctx
+	if lim.cluster != nil && !lim.mapped.Load() {
+		// Waiting for the Cluster's layout is bounded as a decision's is.
+		var cancel context.CancelFunc
+		wait, cancel = context.WithTimeout(ctx, lim.cfg.Timeout)
+		defer cancel()
+	}
+	nd, err := lim.nodeFor(wait, req.Key)
 	switch {
 	case errors.Is(err, ErrClosed):
 		return remote.Result{}, callerGone, err

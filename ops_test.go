@@ -13,6 +13,7 @@ import (
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/hybridlimit/hybridlimit/internal/faultproxy"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
 )
 
@@ -353,4 +354,42 @@ func FuzzOps(f *testing.F) {
 			t.Fatalf("Reset(%q) = %v", k, err)
 		}
 	})
+}
+
+// TestOpsWithinBudget: against a Redis that stops answering (a black hole
+// in front of a real redis-server), Reset says so with ErrUnavailable and
+// Peek and AllowAtMost answer from the local share, each within the
+// decision's budget.
+func TestOpsWithinBudget(t *testing.T) {
+	srv := redistest.Start(t)
+	px := faultproxy.Start(t, srv.Addr())
+	const budget = 50 * time.Millisecond
+	lim := newLimiter(t, Config{Redis: clients(t, px.Addr(), 1)[0], Limit: Limit{Rate: 1.0 / 3600, Burst: 10},
+		Instances: 1, Heartbeat: -1, Timeout: budget})
+	ctx := context.Background()
+	if d, err := lim.AllowN(ctx, "k", 4); err != nil || d.Mode != ModeRemote {
+		t.Fatalf("AllowN(4) = %+v, %v; want decided by Redis", d, err)
+	}
+	px.Blackhole(true)
+	// The calls left in the black hole would hold Close for the client's
+	// ReadTimeout: reset their connections when the test is done.
+	defer px.ResetAll()
+	// Honest margins for a busy 2-core machine: the budget is 50 ms.
+	const slack = 200 * time.Millisecond
+	start := time.Now()
+	err := lim.Reset(ctx, "k")
+	if took := time.Since(start); !errors.Is(err, ErrUnavailable) || took > budget+slack {
+		t.Errorf("Reset into a black hole = %v after %v; want ErrUnavailable within %v", err, took, budget)
+	}
+	start = time.Now()
+	st, err := lim.Peek(ctx, "k")
+	if took := time.Since(start); err != nil || st.Mode != ModeLocal || st.Tokens != 10 || took > budget+slack {
+		t.Errorf("Peek into a black hole = %+v, %v after %v; want the full local share (Reset forgot the key), within %v",
+			st, err, took, budget)
+	}
+	start = time.Now()
+	d, err := lim.AllowAtMost(ctx, "k", 25)
+	if took := time.Since(start); err != nil || d.Mode != ModeLocal || d.Granted != 10 || took > budget+slack {
+		t.Errorf("AllowAtMost(25) into a black hole = %+v, %v after %v; want 10 granted locally, within %v", d, err, took, budget)
+	}
 }
