@@ -393,3 +393,28 @@ func TestOpsWithinBudget(t *testing.T) {
 		t.Errorf("AllowAtMost(25) into a black hole = %+v, %v after %v; want 10 granted locally, within %v", d, err, took, budget)
 	}
 }
+
+// TestOpsOnCluster: Reset, Peek and AllowAtMost reach each key's master
+// on a 3-master Cluster.
+func TestOpsOnCluster(t *testing.T) {
+	cl := redistest.StartCluster(t, 3)
+	const prefix = "ops:"
+	lim := newLimiter(t, Config{Redis: cl.Client(t), Limit: Limit{Rate: 1e-3, Burst: 10}, Instances: 1,
+		Heartbeat: -1, Timeout: time.Second, Prefix: prefix})
+	ctx := context.Background()
+	for _, keys := range keysOn(t, cl, prefix, "k", 1) {
+		key := strings.TrimPrefix(keys[0], prefix)
+		if d, err := lim.AllowAtMost(ctx, key, 25); err != nil || d.Granted != 10 || d.Mode != ModeRemote {
+			t.Errorf("AllowAtMost(%s, 25) = %+v, %v; want 10 granted by Redis", key, d, err)
+		}
+		if st, err := lim.Peek(ctx, key); err != nil || st.Remaining != 0 || st.Mode != ModeRemote {
+			t.Errorf("Peek(%s) = %+v, %v; want 0 left, from Redis", key, st, err)
+		}
+		if err := lim.Reset(ctx, key); err != nil {
+			t.Errorf("Reset(%s) = %v", key, err)
+		}
+		if st, err := lim.Peek(ctx, key); err != nil || st.Remaining != 10 || st.Mode != ModeRemote {
+			t.Errorf("Peek(%s) after Reset = %+v, %v; want 10, from Redis", key, st, err)
+		}
+	}
+}
