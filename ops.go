@@ -144,7 +144,8 @@ func (lim *Limiter) Reset(ctx context.Context, key string) error {
 		lim.observe(sent, key, rl, res)
 		return nil
 	case o == unanswered:
-		return fmt.Errorf("%w: reset of %q sent but not answered within %v; it may still be applied", ErrUnavailable, key, lim.cfg.Timeout)
+		return fmt.Errorf("%w: reset of %q sent but not answered within its time budget (Timeout %v); it may still be applied",
+			ErrUnavailable, key, lim.cfg.Timeout)
 	case o == badValue:
 		return fmt.Errorf("%w: reset of %q: Redis answered, not with a bucket (see the error log)", ErrUnavailable, key)
 	}
