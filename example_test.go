@@ -230,10 +230,8 @@ func ExampleLimiter_AllowAtMost() {
 			log.Fatal(err)
 		}
 		if !d.Allowed {
-			// A denial can be answered from what Redis said a moment
-			// ago, without asking it again: its RetryAfter is then a
-			// hair shorter than Redis's own.
-			fmt.Println("none left; next token in", d.RetryAfter.Round(100*time.Millisecond))
+			// In whole seconds, rounded up, as a Retry-After header has it.
+			fmt.Println("none left; retry in", int64((d.RetryAfter+time.Second-1)/time.Second), "s")
 			break
 		}
 		queue -= int(d.Granted)
@@ -242,7 +240,7 @@ func ExampleLimiter_AllowAtMost() {
 	// Output:
 	// sending 64
 	// sending 36
-	// none left; next token in 600ms
+	// none left; retry in 1 s
 }
 
 // ExampleLimiter_Peek shows a key's state on an admin page without
