@@ -199,7 +199,8 @@ var (
 	ErrInvalidConfig = errors.New("hybridlimit: invalid config")
 	// ErrInvalidKey is returned for an empty key or one longer than MaxKeyLen.
 	ErrInvalidKey = errors.New("hybridlimit: invalid key")
-	// ErrInvalidN is returned for n < 1 or n > the key's Limit.Burst.
+	// ErrInvalidN is returned for n < 1 or, except by AllowAtMost, n > the
+	// key's Limit.Burst.
 	ErrInvalidN = errors.New("hybridlimit: invalid n")
 	// ErrInvalidLimit is returned for a Limit that is not positive and
 	// finite, or that the script cannot hold exactly, from SetLimit or
@@ -207,6 +208,10 @@ var (
 	ErrInvalidLimit = errors.New("hybridlimit: invalid limit")
 	// ErrClosed is returned by decisions after Close.
 	ErrClosed = errors.New("hybridlimit: limiter closed")
+	// ErrUnavailable is wrapped by the error of Reset when Redis did not
+	// confirm the reset: an operator's action, unlike a decision, has no
+	// failure policy to fall back on. The message says why.
+	ErrUnavailable = errors.New("hybridlimit: Redis unavailable")
 )
 
 // limits is a Limit with its form in the script's fixed point.

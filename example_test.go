@@ -2,6 +2,7 @@ package hybridlimit_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 	"net/http"
@@ -9,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/hybridlimit/hybridlimit"
@@ -200,4 +202,105 @@ func ExampleLimiter_Stats() {
 	}
 	fmt.Printf("%d live instances; this one holds %.0f%% of each limit while Redis is away\n",
 		st.Fleet, 100*st.Weight)
+}
+
+// ExampleLimiter_AllowAtMost has a batch worker take what the limit allows
+// of its queue, up to a batch, and leave the rest for later. miniredis
+// stands in for Redis here, with its clock held still, so that the
+// example runs as it is.
+func ExampleLimiter_AllowAtMost() {
+	mr, err := miniredis.Run()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer mr.Close()
+	mr.SetTime(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	lim, err := hybridlimit.New(hybridlimit.Config{Redis: rdb, Limit: hybridlimit.PerMinute(100)})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer lim.Close()
+
+	queue := 260 // emails waiting
+	for queue > 0 {
+		d, err := lim.AllowAtMost(context.Background(), "smtp-relay", int64(min(queue, 64)))
+		if err != nil {
+			log.Fatal(err)
+		}
+		if !d.Allowed {
+			// In whole seconds, rounded up, as a Retry-After header has it.
+			fmt.Println("none left; retry in", int64((d.RetryAfter+time.Second-1)/time.Second), "s")
+			break
+		}
+		queue -= int(d.Granted)
+		fmt.Println("sending", d.Granted)
+	}
+	// Output:
+	// sending 64
+	// sending 36
+	// none left; retry in 1 s
+}
+
+// ExampleLimiter_Peek shows a key's state on an admin page without
+// spending any of it.
+func ExampleLimiter_Peek() {
+	mr, err := miniredis.Run()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer mr.Close()
+	mr.SetTime(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	lim, err := hybridlimit.New(hybridlimit.Config{Redis: rdb, Limit: hybridlimit.PerSecond(10)})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer lim.Close()
+
+	ctx := context.Background()
+	lim.AllowN(ctx, "user:42", 3)
+	for range 2 { // looking twice takes nothing
+		st, err := lim.Peek(ctx, "user:42")
+		if err != nil {
+			log.Fatal(err)
+		}
+		fmt.Printf("%.1f tokens of %d, full in %v, from %v\n", st.Tokens, st.Limit.Burst, st.ResetAfter, st.Mode)
+	}
+	// Output:
+	// 7.0 tokens of 10, full in 300ms, from remote
+	// 7.0 tokens of 10, full in 300ms, from remote
+}
+
+// ExampleLimiter_Reset lifts a limit an operator was asked to lift: the
+// key's bucket is full again.
+func ExampleLimiter_Reset() {
+	mr, err := miniredis.Run()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer mr.Close()
+	mr.SetTime(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	rdb := redis.NewClient(&redis.Options{Addr: mr.Addr()})
+	defer rdb.Close()
+	lim, err := hybridlimit.New(hybridlimit.Config{Redis: rdb, Limit: hybridlimit.PerMinute(5)})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer lim.Close()
+
+	ctx := context.Background()
+	lim.AllowN(ctx, "login:alice", 5)
+	d, _ := lim.Allow(ctx, "login:alice")
+	fmt.Println("before:", d.Allowed)
+	if err := lim.Reset(ctx, "login:alice"); errors.Is(err, hybridlimit.ErrUnavailable) {
+		log.Print(err) // Redis did not confirm; try again later
+	}
+	d, _ = lim.Allow(ctx, "login:alice")
+	fmt.Println("after:", d.Allowed, d.Remaining, "left")
+	// Output:
+	// before: false
+	// after: true 4 left
 }

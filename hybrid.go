@@ -82,10 +82,16 @@ func (m Mode) String() string {
 // tokens came from Redis, so ModeLease is not degraded.
 func (m Mode) Degraded() bool { return m != ModeRemote && m != ModeLease }
 
-// Decision is the outcome of AllowN.
+// Decision is the outcome of AllowN or AllowAtMost.
 type Decision struct {
-	// Allowed reports whether the n tokens were granted.
+	// Allowed reports whether the n tokens were granted; for AllowAtMost,
+	// whether one token at least was.
 	Allowed bool
+	// Granted is how many tokens the caller may spend: n when AllowN
+	// allows, 0 when it denies; for AllowAtMost, from 0 to n, as many as
+	// the bucket held. With PerSecond(10), AllowAtMost(ctx, key, 7) on a
+	// fresh key grants 7, and then 3. A Shadowed decision grants n.
+	Granted int64
 	// Remaining is how many whole tokens the deciding bucket holds after
 	// the decision. With PerSecond(10), a fresh key after AllowN(ctx, key, 3)
 	// has Remaining 7. Under ModeLocal it counts this instance's share;
@@ -93,8 +99,8 @@ type Decision struct {
 	// ModeFailOpen and ModeFailClosed it is 0 (unknown).
 	Remaining int64
 	// RetryAfter is, when denied, how long until the bucket can hold n
-	// tokens (under ModeFailClosed: until the breaker next probes Redis).
-	// Zero when allowed.
+	// tokens, for AllowAtMost one token (under ModeFailClosed: until the
+	// breaker next probes Redis). Zero when allowed.
 	RetryAfter time.Duration
 	// ResetAfter is how long until the deciding bucket is full again.
 	ResetAfter time.Duration
@@ -436,13 +442,13 @@ func (lim *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 // decides, and Decision.Mode says so. AllowN waits at most Config.Timeout
 // for Redis.
 func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (d Decision, err error) {
-	return d, lim.allowN(ctx, key, n, 0, &d)
+	return d, lim.allowN(ctx, key, n, 0, false, &d)
 }
 
 // allowN is AllowN, filling d in place (a Decision is a few words, copied
 // through every frame otherwise, and this is the hottest path there is);
-// reserve is decide's.
-func (lim *Limiter) allowN(ctx context.Context, key string, n, reserve int64, d *Decision) error {
+// reserve and atMost are decide's.
+func (lim *Limiter) allowN(ctx context.Context, key string, n, reserve int64, atMost bool, d *Decision) error {
 	if len(key) == 0 || len(key) > MaxKeyLen {
 		return fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
 	}
@@ -451,7 +457,13 @@ func (lim *Limiter) allowN(ctx context.Context, key string, n, reserve int64, d 
 	if err != nil {
 		return err
 	}
-	if n < 1 || n > ls.Burst {
+	asked := n
+	if atMost {
+		if n < 1 {
+			return fmt.Errorf("%w: n=%d, want at least 1", ErrInvalidN, n)
+		}
+		n = min(n, ls.Burst) // no bucket holds more
+	} else if n < 1 || n > ls.Burst {
 		return fmt.Errorf("%w: n=%d, want 1 to burst %d", ErrInvalidN, n, ls.Burst)
 	}
 	if lim.closed.Load() {
@@ -464,13 +476,16 @@ func (lim *Limiter) allowN(ctx context.Context, key string, n, reserve int64, d 
 	if lim.cfg.Observer != nil {
 		start = time.Now()
 	}
-	if err := lim.decide(ctx, key, n, ls, reserve, d); err != nil {
+	if err := lim.decide(ctx, key, n, ls, reserve, atMost, d); err != nil {
 		*d = Decision{}
 		return err
 	}
 	d.Limit = ls.Limit
-	if lim.cfg.Shadow && !d.Allowed {
-		d.Allowed, d.Shadowed = true, true
+	if !atMost && d.Allowed {
+		d.Granted = n
+	}
+	if lim.cfg.Shadow && d.Granted < asked {
+		d.Allowed, d.Shadowed, d.Granted = true, true, asked
 	}
 	if lim.cfg.Observer != nil {
 		lim.cfg.Observer.ObserveDecision(DecisionEvent{
@@ -485,10 +500,18 @@ func (lim *Limiter) allowN(ctx context.Context, key string, n, reserve int64, d 
 // the key, by Redis, or by the failure policy. With reserve above zero
 // (WaitN), Redis grants the tokens even if the bucket then owes up to
 // reserve units, and d.wait says how long the caller must wait for them.
-func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits, reserve int64, d *Decision) error {
+// With atMost (AllowAtMost), it takes as many whole tokens as the
+// deciding bucket holds, up to n, and d.Granted says how many.
+func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits, reserve int64, atMost bool, d *Decision) error {
 	// Tokens leased from Redis are spent first, whether Redis is there
 	// or not: it granted them already.
-	if lim.cfg.Lease > 0 {
+	if lim.cfg.Lease > 0 && atMost {
+		if taken, left := lim.shares.TakeLeaseUpTo(lim.cfg.now(), key, n); taken > 0 {
+			lim.count.Add(taken) // granted by Redis, for the fleet's weights
+			*d = Decision{Allowed: true, Granted: taken, Remaining: left, Mode: ModeLease}
+			return nil
+		}
+	} else if lim.cfg.Lease > 0 {
 		if left, ok := lim.shares.TakeLease(lim.cfg.now(), key, n); ok {
 			lim.count.Add(n) // granted by Redis, for the fleet's weights
 			*d = Decision{Allowed: true, Remaining: left, Mode: ModeLease}
@@ -498,7 +521,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	// While the one node is away, decide at once, without building
 	// anything for Redis: this path allocates nothing.
 	if nd := lim.single; nd != nil && nd.cb.State() != breaker.StateClosed {
-		lim.fallback(key, n, ls, nd, d)
+		lim.fallback(key, n, ls, nd, atMost, d)
 		return nil
 	}
 	rkey := lim.cfg.Prefix + key
@@ -522,27 +545,37 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 			return err
 		}
 		// The Cluster's layout is unknown: no node to ask.
-		lim.fallback(key, n, ls, nil, d)
+		lim.fallback(key, n, ls, nil, atMost, d)
 		return nil
 	}
 	// While the breaker is not closed, only the prober talks to the node:
 	// no decision waits on a probe.
 	if nd.cb.State() != breaker.StateClosed || nd.settling.Load() {
-		lim.fallback(key, n, ls, nd, d)
+		lim.fallback(key, n, ls, nd, atMost, d)
 		return nil
 	}
-	if !lim.cfg.noCache && reserve == 0 && lim.cached(nd, key, n, ls, d) {
+	// AllowAtMost is denied only if the bucket holds less than a token.
+	least := n
+	if atMost {
+		least = 1
+	}
+	if !lim.cfg.noCache && reserve == 0 && lim.cached(nd, key, least, ls, d) {
 		lim.tally(key, n, ls, false, 0)
 		return nil
 	}
 	rl := ls.rl
 	sent := lim.cfg.now()
 	req := remote.Request{Key: rkey, Limit: rl, Units: rl.Units(n), Lease: lim.cfg.Lease, Reserve: reserve}
+	if atMost {
+		// Lease mode's grant is the script's "as many whole tokens as the
+		// bucket holds": one token, and up to n-1 more.
+		req = remote.Request{Key: rkey, Limit: rl, Units: rl.Units(1), Lease: n - 1}
+	}
 	res, o := lim.call(ctx, nd, whenClosed, req)
 	switch o {
 	case answered:
 		lim.tally(key, n, ls, res.Allowed, max(res.Level, 0)/rl.P)
-		if res.Leased > 0 {
+		if res.Leased > 0 && !atMost {
 			lim.shares.Lease(sent, key, res.Leased, sent.Add(lim.cfg.LeaseFor))
 		}
 		if res.Repaired {
@@ -555,6 +588,9 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 			RetryAfter: res.RetryAfter,
 			ResetAfter: res.ResetAfter,
 			Mode:       ModeRemote,
+		}
+		if atMost && res.Allowed {
+			d.Granted = 1 + res.Leased
 		}
 		if res.Allowed && res.Level < 0 {
 			d.wait = ceilMicros(-res.Level, rl.Q) // granted ahead of the refill
@@ -570,7 +606,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		// Only the budget ran out (waiting for the Cluster's layout took
 		// it): the caller still gets a decision.
 	}
-	lim.fallback(key, n, ls, nd, d)
+	lim.fallback(key, n, ls, nd, atMost, d)
 	return nil
 }
 
@@ -646,24 +682,35 @@ func ctxErr(ctx context.Context) error {
 }
 
 // fallback decides by the failure policy. nd is the node that could not
-// decide, nil if none was found.
-func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, d *Decision) {
+// decide, nil if none was found; atMost is decide's.
+func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, atMost bool, d *Decision) {
 	switch lim.cfg.OnFailure {
 	case FailOpen:
-		*d = Decision{Allowed: true, Mode: ModeFailOpen}
+		*d = Decision{Allowed: true, Granted: n, Mode: ModeFailOpen}
 		return
 	case FailClosed:
 		*d = Decision{Mode: ModeFailClosed, RetryAfter: lim.untilProbe(nd)}
 		return
 	}
 	r, burst, capacity := lim.share(ls.Limit)
+	if atMost {
+		n = min(n, int64(burst))
+	}
 	if capacity <= 0 || n > int64(burst) {
 		// The share can never hold n (or this instance holds none: it has
 		// not heard of the fleet yet): denied until Redis may be back.
 		*d = Decision{Mode: ModeLocal, RetryAfter: lim.untilProbe(nd)}
 		return
 	}
-	res := lim.shares.AllowN(lim.cfg.now(), key, r, burst, capacity, int(n))
+	var res local.Result
+	granted := n
+	if atMost {
+		var k int
+		res, k = lim.shares.AllowAtMost(lim.cfg.now(), key, r, burst, capacity, int(n))
+		granted = int64(k)
+	} else {
+		res = lim.shares.AllowN(lim.cfg.now(), key, r, burst, capacity, int(n))
+	}
 	if res.Allowed && !lim.spentLocally.Load() {
 		lim.spentLocally.Store(true)
 	}
@@ -673,6 +720,9 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, d *Decis
 		RetryAfter: res.RetryAfter,
 		ResetAfter: res.ResetAfter,
 		Mode:       ModeLocal,
+	}
+	if atMost && res.Allowed {
+		d.Granted = granted
 	}
 	if res.Allowed && nd != nil && nd.cb.State() == breaker.StateClosed {
 		// A decision that Redis did not answer, on a node whose breaker

@@ -162,8 +162,8 @@ func TestContract(t *testing.T) {
 	ms := time.Millisecond
 	steps := func(mode Mode) []allow {
 		return []allow{
-			{1, Decision{Allowed: true, Remaining: 9, ResetAfter: 100 * ms, Mode: mode}},
-			{9, Decision{Allowed: true, Remaining: 0, ResetAfter: time.Second, Mode: mode}},
+			{1, Decision{Allowed: true, Granted: 1, Remaining: 9, ResetAfter: 100 * ms, Mode: mode}},
+			{9, Decision{Allowed: true, Granted: 9, Remaining: 0, ResetAfter: time.Second, Mode: mode}},
 			{1, Decision{Allowed: false, Remaining: 0, RetryAfter: 100 * ms, ResetAfter: time.Second, Mode: mode}},
 			{5, Decision{Allowed: false, Remaining: 0, RetryAfter: 500 * ms, ResetAfter: time.Second, Mode: mode}},
 		}
@@ -189,8 +189,8 @@ func TestContract(t *testing.T) {
 		defer c.Close()
 		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), OnFailure: FailOpen})
 		run(t, lim, "k", []allow{
-			{10, Decision{Allowed: true, Mode: ModeFailOpen}},
-			{10, Decision{Allowed: true, Mode: ModeFailOpen}},
+			{10, Decision{Allowed: true, Granted: 10, Mode: ModeFailOpen}},
+			{10, Decision{Allowed: true, Granted: 10, Mode: ModeFailOpen}},
 		})
 	})
 }

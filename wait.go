@@ -55,7 +55,7 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 		if !lim.cfg.Shadow { // a shadow limiter never makes anyone wait
 			reserve = lim.depth(ctx, key)
 		}
-		if err := lim.allowN(ctx, key, n, reserve, &d); err != nil {
+		if err := lim.allowN(ctx, key, n, reserve, false, &d); err != nil {
 			return err
 		}
 		if d.Allowed {

@@ -480,14 +480,7 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int, capacit
 		b.lim = nil
 	}
 	if b.lim == nil {
-		// Start from what Redis last said, refilled since; at capacity if
-		// it said nothing.
-		// Spending that Redis was not charged with yet (Owe) is taken off:
-		// Redis does not know of it.
-		b.seed, b.seedAt = clamp(capacity-b.owed, burst), s.mono(now)
-		if b.seen != 0 {
-			b.seed, b.seedAt = clamp(b.tokens/b.size*capacity-b.owed, burst), b.seen
-		}
+		b.seed, b.seedAt = s.start(b, now, burst, capacity, b.owed)
 		b.lim, b.r, b.burst = newLimiter(s.time(b.seedAt), r, burst, b.seed), r, burst
 		return b.lim
 	}

@@ -21,6 +21,14 @@
 --          (a multiple of p), in whole tokens, for the client to spend
 --          without asking again (Config.Lease, for keys hotter than one
 --          Redis core can serve).
+--          "peek": report what the bucket holds, taking nothing and
+--          writing nothing: no SET, no PEXPIRE, and a foreign value is
+--          reported as the full bucket a decision would replace it with,
+--          but left in place. cost is 0; flags says whether the bucket is
+--          out of debt.
+--          "reset": store a full bucket, whatever the key held (an
+--          operator's reset); it expires a second later, when it is the
+--          same as no key at all.
 --
 -- The client does the multiplications (cap and cost in units) and computes
 -- RetryAfter and ResetAfter from the reply: this script runs on the one
@@ -141,7 +149,7 @@ if raw then
   else
     flags = 2
     write = true
-    if type(raw) == 'table' then
+    if type(raw) == 'table' and ARGV[5] ~= 'peek' then
       redis.call('DEL', key)
     end
   end
@@ -170,6 +178,16 @@ elseif mode == 'reserve' then
     end
     write = true
   end
+elseif mode == 'peek' then
+  if cost <= level then
+    flags = flags + 1
+  end
+elseif mode == 'reset' then
+  -- Full from now: a debt stored as a later time goes too.
+  flags = flags + 1
+  level = cap
+  last = now
+  write = true
 elseif cost < 0 or cost <= level then
   -- A refund (a negative cost) is always taken, in debt too.
   flags = flags + 1
@@ -185,7 +203,9 @@ elseif cost < 0 or cost <= level then
 end
 -- Expire one second after the bucket would be full again.
 local ttl = math.ceil((cap - level) / q / 1000) + 1000
-if write then
+if mode == 'peek' then
+  -- Reads only.
+elseif write then
   local stored = level
   if level < 0 then
     stored = 0

@@ -115,6 +115,8 @@ const (
 	modeCharge              // take cost units, never refusing, never below zero
 	modeLease               // take cost units, and up to extra more
 	modeReserve             // take cost units if the bucket then owes at most extra
+	modePeek                // report the level; take and write nothing
+	modeReset               // store a full bucket
 )
 
 // newCall returns a call from p's pool, its ready channel empty.
@@ -196,6 +198,12 @@ type Request struct {
 	// Reserve units: Result.Level is then negative by what the caller must
 	// wait for, at Limit.Q units a microsecond.
 	Reserve int64
+	// Peek reports what the bucket holds (Result.Level) without taking
+	// anything or writing to Redis, not even a TTL; Units must be 0.
+	// Result.Allowed then says whether the bucket is out of debt.
+	Peek bool
+	// Reset stores a full bucket, whatever the key held; Units must be 0.
+	Reset bool
 }
 
 // Do runs the script for r. It returns when Redis answers or ctx ends,
@@ -210,6 +218,10 @@ type Request struct {
 func (p *Pipe) Do(ctx context.Context, r Request) (Result, error) {
 	m := modeTake
 	switch {
+	case r.Peek:
+		m = modePeek
+	case r.Reset:
+		m = modeReset
 	case r.Charge:
 		m = modeCharge
 	case r.Reserve > 0:
@@ -537,6 +549,10 @@ func (p *Pipe) evalCmd(ctx context.Context, withSource bool, c *call) noRetryCmd
 		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "lease", c.extra)}
 	case modeReserve:
 		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "reserve", c.extra)}
+	case modePeek:
+		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "peek")}
+	case modeReset:
+		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "reset")}
 	}
 	return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost)}
 }

@@ -65,7 +65,8 @@ func parseReply(v any, lim Limit, cost int64, m mode) (Result, error) {
 	allowed := flags&1 == 1
 	if flags < 0 || flags > 3 || level < -maxExact || level > capacity || !allowed && (m == modeCharge || cost < 0 || cost <= level) ||
 		allowed && m != modeCharge && m != modeReserve && cost >= 0 && level < 0 ||
-		leased < 0 || leased%lim.P != 0 || leased > capacity || !allowed && leased != 0 {
+		leased < 0 || leased%lim.P != 0 || leased > capacity || !allowed && leased != 0 ||
+		m == modeReset && (!allowed || level != capacity) {
 		return Result{}, fmt.Errorf("%w: %v", ErrReply, vals)
 	}
 	res := Result{

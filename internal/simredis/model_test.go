@@ -67,7 +67,11 @@ func TestModelMatchesRedis(t *testing.T) {
 		}
 		cost := rl.Units(rng.Int64N(rl.Burst+2) - 1)
 		argv := []any{rl.Q, rl.P, rl.Cap(), cost}
-		switch rng.IntN(9) {
+		switch rng.IntN(12) {
+		case 9, 10: // a look that must take and write nothing
+			argv = append(argv[:3], int64(0), "peek")
+		case 11: // an operator's reset
+			argv = append(argv[:3], int64(0), "reset")
 		case 8: // a reservation, into debt up to three bursts deep
 			argv = append(argv, "reserve", rng.Int64N(3*rl.Cap()+1))
 		case 0: // a charge, up to two bursts: into debt and past its floor

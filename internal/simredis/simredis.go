@@ -418,6 +418,10 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 	last := now // the time stored with the level
 	flags := 0.0
 	dirty := false
+	mode := ""
+	if len(argv) > 4 {
+		mode = argv[4]
+	}
 	v := s.get(at, key)
 	if v != nil {
 		var l, st, lp float64
@@ -445,14 +449,10 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 		} else {
 			flags = 2
 			dirty = true
-			if v.hash {
+			if v.hash && mode != "peek" {
 				delete(s.data, key)
 			}
 		}
-	}
-	mode := ""
-	if len(argv) > 4 {
-		mode = argv[4]
 	}
 	leased := 0.0
 	if mode == "charge" {
@@ -476,6 +476,15 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 			}
 			dirty = true
 		}
+	} else if mode == "peek" {
+		if cost <= level {
+			flags++
+		}
+	} else if mode == "reset" {
+		flags++
+		level = capacity
+		last = now
+		dirty = true
 	} else if cost < 0 || cost <= level {
 		// A refund (a negative cost) is always taken, in debt too.
 		flags++
@@ -496,7 +505,9 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 	// Expire one second after the bucket would be full again.
 	px := math.Ceil((capacity-level)/q/1000) + 1000
 	expire := at.Add(time.Duration(px) * time.Millisecond)
-	if dirty {
+	if mode == "peek" {
+		// Reads only.
+	} else if dirty {
 		stored := level
 		if level < 0 {
 			stored = 0

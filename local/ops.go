@@ -1,0 +1,112 @@
+package local
+
+import (
+	"math"
+	"time"
+
+	"golang.org/x/time/rate"
+)
+
+// start returns the level a new local bucket for b starts from, and when:
+// what Redis last said of the key, refilled since, or capacity at now if
+// it said nothing; less owed, spending that Redis was not charged with
+// yet: Redis does not know of it.
+// start requires that the shard's mu is held.
+func (s *Shares) start(b *bucket, now time.Time, burst int, capacity, owed float64) (float64, mono) {
+	if b.seen != 0 {
+		return clamp(b.tokens/b.size*capacity-owed, burst), b.seen
+	}
+	return clamp(capacity-owed, burst), s.mono(now)
+}
+
+// Peek returns the tokens the next AllowN on key, with the same rate,
+// burst and capacity, would find at now, without taking any and without
+// creating a bucket: the key's local bucket, or, if it has none (or Redis
+// said something newer since it started), the level AllowN would start
+// one from.
+func (s *Shares) Peek(now time.Time, key string, r rate.Limit, burst int, capacity float64) float64 {
+	r, burst = clean(r, burst)
+	if r == rate.Inf {
+		return float64(burst) // x/time/rate ignores the bucket then
+	}
+	sh := s.shard(key)
+	sh.mu.Lock()
+	b := sh.m[key]
+	if b == nil {
+		sh.mu.Unlock()
+		return clamp(capacity, burst)
+	}
+	if lim := b.lim; lim != nil && !(b.seen != 0 && b.seen > b.seedAt) {
+		sh.mu.Unlock()
+		return clamp(lim.TokensAt(now), burst)
+	}
+	seed, at := s.start(b, now, burst, capacity, b.owed+s.spent(b, now))
+	sh.mu.Unlock()
+	return math.Min(seed+float64(r)*max(now.Sub(s.time(at)).Seconds(), 0), float64(burst))
+}
+
+// AllowAtMost takes as many whole tokens as key's bucket holds at now, up
+// to n, and returns how many it took (0 if the bucket holds less than
+// one); the bucket is found or made as AllowN does it. A denial's
+// RetryAfter is the time until one token is there.
+func (s *Shares) AllowAtMost(now time.Time, key string, r rate.Limit, burst int, capacity float64, n int) (Result, int) {
+	res := s.AllowN(now, key, r, burst, capacity, 0)
+	// A take that fails found fewer tokens than the look before it:
+	// concurrent takes spent them. Each try looks again.
+	for range 8 {
+		k := min(n, int(res.Remaining))
+		if k < 1 {
+			break
+		}
+		if res = s.AllowN(now, key, r, burst, capacity, k); res.Allowed {
+			return res, k
+		}
+	}
+	if res = s.AllowN(now, key, r, burst, capacity, 1); res.Allowed {
+		return res, 1
+	}
+	return res, 0
+}
+
+// TakeLeaseUpTo takes as many tokens of key's lease as it holds, up to
+// n, if it is still valid at now and holds one at least, and returns how
+// many it took and how many are left in it.
+func (s *Shares) TakeLeaseUpTo(now time.Time, key string, n int64) (taken, left int64) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	l, found := sh.leases[key]
+	switch {
+	case !found:
+		return 0, 0
+	case s.mono(now) >= l.until:
+		delete(sh.leases, key)
+		return 0, 0
+	}
+	taken = min(l.tokens, n)
+	l.tokens -= taken
+	sh.leases[key] = l
+	return taken, l.tokens
+}
+
+// Leased returns the tokens of key's lease that are still valid at now.
+func (s *Shares) Leased(now time.Time, key string) int64 {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if l, found := sh.leases[key]; found && s.mono(now) < l.until {
+		return l.tokens
+	}
+	return 0
+}
+
+// Reset forgets everything held for key: its local bucket, what Redis
+// last said of it, the spending not yet charged to Redis, and its lease.
+// The next AllowN on key starts a full bucket (at capacity).
+func (s *Shares) Reset(key string) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	delete(sh.m, key)
+	delete(sh.leases, key)
+	sh.mu.Unlock()
+}

@@ -1,0 +1,108 @@
+package local
+
+import (
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// TestPeek: Peek reports what the next AllowN would find, from a missing
+// key, a live bucket, and what Redis said of the key, and creates nothing.
+func TestPeek(t *testing.T) {
+	s := New(0)
+	if got := s.Peek(t0, "k", 10, 10, 10); got != 10 {
+		t.Errorf("Peek of a missing key = %v; want 10", got)
+	}
+	if got := s.Peek(t0, "k", 10, 10, 2.5); got != 2.5 {
+		t.Errorf("Peek of a missing key with capacity 2.5 = %v; want 2.5", got)
+	}
+	if s.Len() != 0 {
+		t.Fatalf("Peek created %d buckets", s.Len())
+	}
+	// Redis said 4 of 10 at t0; 100 ms later 1 more has refilled.
+	s.Observe(t0, 1, "k", 4, 10, 10)
+	if got := s.Peek(t0.Add(100*ms), "k", 10, 10, 10); got != 5 {
+		t.Errorf("Peek after Redis said 4 = %v; want 5", got)
+	}
+	if res := s.AllowN(t0.Add(100*ms), "k", 10, 10, 10, 2); !res.Allowed || res.Remaining != 3 {
+		t.Fatalf("AllowN(2) = %+v; want allowed, 3 left", res)
+	}
+	for range 100 {
+		if got := s.Peek(t0.Add(200*ms), "k", 10, 10, 10); got < 3.999 || got > 4.001 {
+			t.Fatalf("Peek of the live bucket = %v; want 4", got)
+		}
+	}
+	if res := s.AllowN(t0.Add(200*ms), "k", 10, 10, 10, 4); !res.Allowed || res.Remaining != 0 {
+		t.Errorf("AllowN(4) after the peeks = %+v; want allowed, 0 left", res)
+	}
+}
+
+// TestAllowAtMost: it takes what the bucket holds, up to n; concurrent
+// callers together take exactly the burst.
+func TestAllowAtMost(t *testing.T) {
+	s := New(0)
+	res, got := s.AllowAtMost(t0, "k", 10, 10, 10, 7)
+	if got != 7 || res.Remaining != 3 {
+		t.Errorf("AllowAtMost(7) on 10 = %+v, %d; want 7 taken, 3 left", res, got)
+	}
+	res, got = s.AllowAtMost(t0, "k", 10, 10, 10, 7)
+	if got != 3 || res.Remaining != 0 {
+		t.Errorf("AllowAtMost(7) on 3 = %+v, %d; want 3 taken, 0 left", res, got)
+	}
+	res, got = s.AllowAtMost(t0.Add(50*ms), "k", 10, 10, 10, 7)
+	if got != 0 || res.Allowed || res.RetryAfter != 50*ms {
+		t.Errorf("AllowAtMost(7) on half a token = %+v, %d; want none taken, RetryAfter 50ms", res, got)
+	}
+
+	var taken atomic.Int64
+	var wg sync.WaitGroup
+	for range 50 {
+		wg.Go(func() {
+			_, n := s.AllowAtMost(t0, "many", 1e-6, 100, 100, 7)
+			taken.Add(int64(n))
+		})
+	}
+	wg.Wait()
+	if taken.Load() != 100 {
+		t.Errorf("50 × AllowAtMost(7) on a burst of 100 took %d; want 100", taken.Load())
+	}
+}
+
+// TestReset: Reset forgets the key's bucket, what Redis said of it, what
+// is owed, and its lease.
+func TestReset(t *testing.T) {
+	s := New(0)
+	s.Observe(t0, 1, "k", 0, 10, 10)
+	s.AllowN(t0, "k", 10, 10, 10, 0)
+	s.Lease(t0, "k", 5, t0.Add(time.Second))
+	s.Reset("k")
+	if _, _, _, ok := s.Seen("k"); ok {
+		t.Errorf("Seen after Reset: ok")
+	}
+	if got := s.Leased(t0, "k"); got != 0 {
+		t.Errorf("Leased after Reset = %d; want 0", got)
+	}
+	if res := s.AllowN(t0, "k", 10, 10, 10, 10); !res.Allowed {
+		t.Errorf("AllowN(10) after Reset = %+v; want a full bucket", res)
+	}
+}
+
+// TestTakeLeaseUpTo: it takes what the lease holds, up to n, while valid.
+func TestTakeLeaseUpTo(t *testing.T) {
+	s := New(0)
+	s.Lease(t0, "k", 5, t0.Add(100*ms))
+	if taken, left := s.TakeLeaseUpTo(t0, "k", 3); taken != 3 || left != 2 {
+		t.Errorf("TakeLeaseUpTo(3) of 5 = %d, %d left; want 3, 2", taken, left)
+	}
+	if taken, left := s.TakeLeaseUpTo(t0, "k", 3); taken != 2 || left != 0 {
+		t.Errorf("TakeLeaseUpTo(3) of 2 = %d, %d left; want 2, 0", taken, left)
+	}
+	s.Lease(t0, "k", 5, t0.Add(100*ms))
+	if got := s.Leased(t0.Add(99*ms), "k"); got != 5 {
+		t.Errorf("Leased = %d; want 5", got)
+	}
+	if taken, _ := s.TakeLeaseUpTo(t0.Add(100*ms), "k", 3); taken != 0 {
+		t.Errorf("TakeLeaseUpTo after the lease's end took %d", taken)
+	}
+}
