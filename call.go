@@ -101,6 +101,13 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	rctx, cancel := context.WithTimeout(ctx, budget)
 	defer cancel()
 	res, err := pipe.Do(rctx, req)
+	// A connection the client pooled before a reset fails the write at
+	// once when the client cannot see the reset beforehand (over TLS,
+	// go-redis cannot): the call did not run, so it goes again, on the
+	// client's next connection, within the same budget.
+	for again := 0; remote.IsUnsent(err) && again < brokenRetries && rctx.Err() == nil; again++ {
+		res, err = pipe.Do(rctx, req)
+	}
 	o, verdict := lim.classify(ctx, err, budget)
 	if verdict == breaker.Failure {
 		// The prober probes the node on the last key that failed there.

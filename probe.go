@@ -73,9 +73,10 @@ func (lim *Limiter) probePipe(nd *node) *remote.Pipe {
 	return nd.direct
 }
 
-// brokenRetries bounds how many more connections a probe tries after
-// finding one broken: go-redis drops each broken one from its pool, and
-// a pool holds ten per CPU by default.
+// brokenRetries bounds how many more connections a call tries after
+// finding one broken (a probe, whatever broke; any call, when its write
+// failed): go-redis drops each broken one from its pool, and a pool holds
+// ten per CPU by default.
 const brokenRetries = 32
 
 // anyOpen reports whether any node's breaker is not closed.

@@ -67,3 +67,12 @@ func IsBrokenConn(err error) bool {
 		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE) ||
 		errors.Is(err, net.ErrClosed)
 }
+
+// IsUnsent reports whether err says that a command never left: writing it
+// failed on a connection already closed or reset (a kernel that received
+// the peer's reset refuses the write). Such a command did not run, so it
+// may be sent again on another connection.
+func IsUnsent(err error) bool {
+	var op *net.OpError
+	return IsBrokenConn(err) && errors.As(err, &op) && op.Op == "write"
+}

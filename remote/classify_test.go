@@ -197,3 +197,31 @@ func readCommand(r *bufio.Reader) (string, error) {
 	}
 	return name, nil
 }
+
+func TestBrokenAndUnsent(t *testing.T) {
+	reset := func(op string) error {
+		return &net.OpError{Op: op, Net: "tcp", Err: os.NewSyscallError(op, syscall.ECONNRESET)}
+	}
+	for _, c := range []struct {
+		err            error
+		broken, unsent bool
+	}{
+		{reset("write"), true, true},
+		{fmt.Errorf("wrapped: %w", reset("write")), true, true},
+		{reset("read"), true, false},
+		{&net.OpError{Op: "write", Net: "tcp", Err: os.NewSyscallError("write", syscall.EPIPE)}, true, true},
+		{io.EOF, true, false},
+		{net.ErrClosed, true, false},
+		{&net.OpError{Op: "write", Net: "tcp", Err: os.ErrDeadlineExceeded}, false, false},
+		{&net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}, false, false},
+		{context.DeadlineExceeded, false, false},
+		{nil, false, false},
+	} {
+		if got := IsBrokenConn(c.err); got != c.broken {
+			t.Errorf("IsBrokenConn(%v) = %v, want %v", c.err, got, c.broken)
+		}
+		if got := IsUnsent(c.err); got != c.unsent {
+			t.Errorf("IsUnsent(%v) = %v, want %v", c.err, got, c.unsent)
+		}
+	}
+}

@@ -163,6 +163,9 @@ func (s *stream) write(b []byte, at time.Time) (int, error) {
 	defer s.mu.Unlock()
 	if s.err != nil {
 		if s.hard {
+			if errors.Is(s.err, syscall.ECONNRESET) {
+				return 0, errResetWrite
+			}
 			return 0, s.err
 		}
 		return 0, io.ErrClosedPipe
@@ -261,7 +264,10 @@ type Conn struct {
 	once sync.Once
 }
 
-var errReset = &net.OpError{Op: "read", Net: "sim", Err: os.NewSyscallError("read", syscall.ECONNRESET)}
+var (
+	errReset      = &net.OpError{Op: "read", Net: "sim", Err: os.NewSyscallError("read", syscall.ECONNRESET)}
+	errResetWrite = &net.OpError{Op: "write", Net: "sim", Err: os.NewSyscallError("write", syscall.ECONNRESET)}
+)
 
 // ErrReset reports whether err is a reset made by Link.Reset.
 func ErrReset(err error) bool { return errors.Is(err, syscall.ECONNRESET) }
