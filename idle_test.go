@@ -80,7 +80,7 @@ func BenchmarkFleet2000(b *testing.B) {
 	time.Sleep(4 * time.Second) // every Limiter has read a window with all of them
 	for b.Loop() {
 		const secs = healthy + paused + after
-		var allowed, remoteN, total [secs]atomic.Int64
+		var allowed, remoteN, total, slow [secs]atomic.Int64
 		t0 := time.Now()
 		ctx, cancel := context.WithTimeout(context.Background(), secs*time.Second)
 		var wg sync.WaitGroup
@@ -105,6 +105,9 @@ func BenchmarkFleet2000(b *testing.B) {
 						continue
 					}
 					total[s].Add(1)
+					if time.Since(start) > 20*time.Millisecond {
+						slow[s].Add(1)
+					}
 					if d.Allowed {
 						allowed[s].Add(1)
 					}
@@ -114,6 +117,20 @@ func BenchmarkFleet2000(b *testing.B) {
 				}
 			}()
 		}
+		var weight [secs]atomic.Pointer[[2]float64]
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for s := range secs {
+				time.Sleep(time.Until(t0.Add(time.Duration(s)*time.Second + 500*time.Millisecond)))
+				w := [2]float64{math.Inf(1), 0}
+				for _, lim := range lims {
+					v := lim.view.Load().weight
+					w[0], w[1] = min(w[0], v), w[1]+v
+				}
+				weight[s].Store(&w)
+			}
+		}()
 		time.Sleep(time.Until(t0.Add(healthy * time.Second)))
 		srv.Pause(b)
 		time.Sleep(time.Until(t0.Add((healthy + paused) * time.Second)))
@@ -123,7 +140,8 @@ func BenchmarkFleet2000(b *testing.B) {
 		var rem, tot int64
 		lo, hi := math.Inf(1), math.Inf(-1)
 		for s := range secs {
-			b.Logf("second %2d: %5d decisions, %4d admitted, %5d by Redis", s, total[s].Load(), allowed[s].Load(), remoteN[s].Load())
+			w := weight[s].Load()
+			b.Logf("second %2d: %5d decisions (%4d slower than 20 ms), %4d admitted, %5d by Redis; weights: least %.6f, sum %.4f", s, total[s].Load(), slow[s].Load(), allowed[s].Load(), remoteN[s].Load(), w[0], w[1])
 			switch {
 			case s >= 1 && s < healthy:
 				rem += remoteN[s].Load()
