@@ -290,7 +290,7 @@ type pacer struct {
 	stop context.CancelFunc
 	done chan struct{} // closed when run returns
 
-	phase float64 // where its slots start: a part of a slot
+	phase float64 // where its slots start, in slots: random in [0, pacerSlots)
 
 	mu      sync.Mutex // protects hearts, members and every heart's due and at
 	hearts  heartHeap  // the hearts waiting for their next step
@@ -325,14 +325,15 @@ func join(h *heart) *pacer {
 		if pacers.by == nil {
 			pacers.by = make(map[redis.UniversalClient]*pacer)
 		}
-		p = &pacer{c: c, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: rand.Float64()}
+		p = &pacer{c: c, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: rand.Float64() * pacerSlots}
 		p.ctx, p.stop = context.WithCancel(context.Background())
 		pacers.by[c] = p
 		go p.run()
 	}
 	p.mu.Lock()
-	// Slot i starts (phase+i)/10 of the window after its first 5%.
-	slot := float64(p.members%pacerSlots) + p.phase
+	// Slot i starts (phase+i mod pacerSlots)/10 of the window after its
+	// first 5%: a process with one Limiter reports anywhere in 5-85%.
+	slot := math.Mod(float64(p.members)+p.phase, pacerSlots)
 	h.offset = h.every/20 + time.Duration(slot*float64(h.every)/10)
 	heap.Push(&p.hearts, h)
 	p.members++

@@ -248,3 +248,57 @@ func TestPacerSharesRoundTrips(t *testing.T) {
 		t.Error("the closed pacer is still registered for its client")
 	}
 }
+
+// TestPacerOffsets: a process with one Limiter reports anywhere from 5%
+// to 85% into the window, so that a fleet of such processes spreads its
+// heartbeats over the window; the Limiters of one client spread over the
+// pacer's slots.
+func TestPacerOffsets(t *testing.T) {
+	const every, n = time.Second, 200
+	newLim := func(c *redis.Client) *Limiter {
+		lim := &Limiter{cfg: Config{Redis: c, Heartbeat: every}}
+		lim.ctx, lim.cancel = context.WithCancel(context.Background())
+		return lim
+	}
+	var low, high int
+	for range n {
+		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never dialed: no step is due
+		lim := newLim(c)
+		h := newHeart(lim)
+		p := join(h)
+		off := h.offset
+		p.leave(h)
+		lim.cancel()
+		c.Close()
+		if off < every/20 || off >= every*17/20 {
+			t.Fatalf("offset %v; want within [%v, %v)", off, every/20, every*17/20)
+		}
+		if off < every*9/20 {
+			low++
+		} else {
+			high++
+		}
+	}
+	if low < n/4 || high < n/4 {
+		t.Errorf("offsets of single-Limiter processes: %d in the window's 5-45%%, %d in 45-85%%; want at least %d each", low, high, n/4)
+	}
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer c.Close()
+	slots := make(map[time.Duration]int)
+	var hearts []*heart
+	var p *pacer
+	for range 2 * pacerSlots {
+		lim := newLim(c)
+		defer lim.cancel()
+		h := newHeart(lim)
+		p = join(h)
+		hearts = append(hearts, h)
+		slots[h.offset]++
+	}
+	for _, h := range hearts {
+		p.leave(h)
+	}
+	if len(slots) != pacerSlots {
+		t.Errorf("%d Limiters of one client report at %d offsets; want %d: %v", 2*pacerSlots, len(slots), pacerSlots, slots)
+	}
+}
