@@ -1,6 +1,7 @@
 package hybridlimit
 
 import (
+	"container/heap"
 	"context"
 	"hash/maphash"
 	"math"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/remote"
+	"github.com/redis/go-redis/v9"
 )
 
 // fleet is this instance's view of its limiter group, from the last
@@ -145,10 +147,13 @@ func (lim *Limiter) fleetKey() string {
 	return lim.cfg.Prefix + "{hybridlimit-fleet:" + lim.cfg.Name + "}"
 }
 
-// heartbeat reports to the fleet once per window of Config.Heartbeat the
-// tokens offered on this instance (see demand) over its last reportWindows
-// windows, and sizes the local share from the fleet's reports it gets
-// back. While Redis is away it keeps the last view.
+// heart is one Limiter's heartbeat: it reports to the fleet once per
+// window of Config.Heartbeat the tokens offered on this instance (see
+// demand) over its last reportWindows windows, and sizes the local share
+// from the fleet's reports it gets back. While Redis is away it keeps the
+// last view. The hearts of Limiters that share a client are run by one
+// pacer (below), which sends the heartbeats that are due together in one
+// round trip.
 //
 // Windows are aligned to Redis TIME (window k covers [k×Heartbeat,
 // (k+1)×Heartbeat)), the one clock every instance shares: this machine's
@@ -156,65 +161,113 @@ func (lim *Limiter) fleetKey() string {
 // window, and the report names its window. So every instance counts over
 // the same windows, and the weights compare like with like: rates
 // measured over different intervals (one fresh, others a heartbeat old)
-// overstate the growing ones. Each instance reports at a random offset
-// into the next window, 5% to 90% of it, so that the fleet's heartbeats
-// spread over the whole window; Redis takes a report up to a window
+// overstate the growing ones. Each instance reports at an offset into
+// the next window, 5% to 85% of it, one of its pacer's pacerSlots (whose
+// phase is random), so that the fleet's heartbeats spread over the whole
+// window and one process's share round trips; Redis takes a report up to a window
 // later still, so that a late timer or a slow Redis does not drop it, and
 // the window read is the one before the last reported: two windows old.
-func (lim *Limiter) heartbeat() {
-	defer lim.wg.Done()
-	ctx := lim.ctx // Close ends a heartbeat in flight
+//
+// A heart has two steps per window: at the window's end it counts what
+// was offered in it (counting), and at the offset into the next one it
+// sends the report. Its fields are only touched by the pacer's goroutine,
+// but for due and at, which the pacer's mutex protects.
+type heart struct {
+	lim    *Limiter
+	every  time.Duration
+	offset time.Duration
+
+	skew     time.Duration // Redis TIME less this machine's clock
+	snap     int64         // lim.count at the last count
+	counts   [reportWindows]int64
+	offered  int64     // the sum of counts, to report for window k
+	sent     [4]report // the last reports Redis took, a ring
+	prev     int64     // the last window counted
+	k        int64     // the window counted next, or reported next
+	end      time.Time // window k's end, on this machine's clock
+	counting bool      // the next step counts window k; else it reports it
+
+	due time.Time // the next step's time
+	at  int       // index in the pacer's heap; -1 if not in it
+}
+
+func newHeart(lim *Limiter) *heart {
 	every := lim.cfg.Heartbeat.Truncate(time.Millisecond)
-	offset := every/20 + time.Duration(rand.Int64N(int64(every)*17/20))
-	t := time.NewTimer(time.Hour)
-	defer t.Stop()
-	sleep := func(until time.Time) bool {
-		t.Reset(time.Until(until))
-		select {
-		case <-t.C:
-			return true
-		case <-lim.done:
-			return false
-		}
+	h := &heart{
+		lim:   lim,
+		every: every,
+		snap:  lim.count.Load(),
+		prev:  math.MinInt64,
+		at:    -1,
 	}
-	var skew time.Duration // Redis TIME less this machine's clock
-	snap := lim.count.Load()
-	var counts [reportWindows]int64 // offered in the last windows, a ring
-	var sent [4]report              // the last reports Redis took, a ring
-	prev := int64(math.MinInt64)
-	for {
-		// A window at a time, even if the skew moves back.
-		k := max(time.Now().Add(skew).UnixNano()/int64(every), prev+1)
-		prev = k
-		end := time.Unix(0, (k+1)*int64(every)).Add(-skew)
-		if !sleep(end) {
-			return
-		}
-		if lim.demand != nil {
-			lim.demand.window.Add(1)
-		}
-		n := lim.count.Load()
-		counts[k%reportWindows] = n - snap
-		snap = n
-		var offered int64
-		for _, c := range counts {
-			offered += c
-		}
-		if !sleep(end.Add(offset)) {
-			return
-		}
-		// Window k-2 is read: this instance's part of it is its report,
-		// if Redis took it.
-		mine := int64(-1)
-		if r := sent[(k-2)%4]; r.window == k-2 && r.taken {
-			mine = r.tokens
-		}
-		s, taken, ok := lim.beat(ctx, k, offered, mine, every)
-		if ok {
-			skew = s
-		}
-		sent[k%4] = report{window: k, tokens: min(offered, remote.MaxReport), taken: taken}
+	h.nextWindow(time.Now())
+	return h
+}
+
+// nextWindow makes the next step the count of the window now is in (a
+// window at a time, even if the skew moves back).
+func (h *heart) nextWindow(now time.Time) {
+	h.k = max(now.Add(h.skew).UnixNano()/int64(h.every), h.prev+1)
+	h.prev = h.k
+	h.end = time.Unix(0, (h.k+1)*int64(h.every)).Add(-h.skew)
+	h.counting, h.due = true, h.end
+}
+
+// count counts window k, which has ended, and makes the next step its
+// report.
+func (h *heart) count() {
+	lim := h.lim
+	if lim.demand != nil {
+		lim.demand.window.Add(1)
 	}
+	n := lim.count.Load()
+	h.counts[h.k%reportWindows] = n - h.snap
+	h.snap = n
+	h.offered = 0
+	for _, c := range h.counts {
+		h.offered += c
+	}
+	h.counting, h.due = false, h.end.Add(h.offset)
+}
+
+// mine returns this instance's report in the window read, k-2, if Redis
+// took it, else -1: it was not counted there, or may not have been.
+func (h *heart) mine() int64 {
+	if r := h.sent[(h.k-2)%4]; r.window == h.k-2 && r.taken {
+		return r.tokens
+	}
+	return -1
+}
+
+// skip says whether the report of window k is not to be sent: the
+// Limiter is closed, or its breaker is open (Redis is away, and the
+// heartbeat would only wait for it).
+func (h *heart) skip() bool {
+	lim := h.lim
+	return lim.ctx.Err() != nil || lim.single != nil && lim.single.cb.State() == breaker.StateOpen
+}
+
+// answer stores what the report of window k sent at sent, and answered at
+// got, came to (b; nil if it was not sent), and makes the next step the
+// count of the next window.
+func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
+	lim := h.lim
+	taken := false
+	switch {
+	case b == nil:
+	case b.Err != nil:
+		// The report may have been counted or not: not knowing, the
+		// instance counts itself out of that window (which keeps the sum
+		// at most 1 either way).
+		lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", b.Err)
+	default:
+		lim.view.Store(weigh(b.Heartbeat, h.mine(), lim.view.Load()))
+		rtt := got.Sub(sent)
+		h.skew = time.UnixMilli(b.Heartbeat.Now).Sub(sent.Add(rtt / 2))
+		taken = b.Heartbeat.Taken
+	}
+	h.sent[h.k%4] = report{window: h.k, tokens: min(h.offered, remote.MaxReport), taken: taken}
+	h.nextWindow(got)
 }
 
 // report is one heartbeat's report, as this instance remembers it.
@@ -223,29 +276,190 @@ type report struct {
 	taken          bool // Redis said it counted it
 }
 
-// beat sends one heartbeat reporting offered tokens for window k and
-// stores the new view; mine is this instance's report in the window read
-// (k-2), -1 if it was not counted there or may not have been. It returns
-// Redis TIME less this machine's clock, as the reply says, whether Redis
-// took the report, and whether the heartbeat reached Redis.
-func (lim *Limiter) beat(ctx context.Context, k, offered, mine int64, every time.Duration) (time.Duration, bool, bool) {
-	if lim.single != nil && lim.single.cb.State() == breaker.StateOpen {
-		return 0, false, false
+// pacer runs the hearts of the Limiters that share one Redis client, in
+// one goroutine with one timer: it wakes when the earliest step is due,
+// takes every step due within pacerSlack of it, and sends the reports
+// among them in one pipeline. 2,000 Limiters of one client then cost a
+// few dozen wakeups and round trips per window instead of 4,000 wakeups
+// and 2,000 round trips. The first Limiter of a client starts its pacer;
+// the last to Close stops it and waits for its goroutine to return.
+type pacer struct {
+	c    redis.UniversalClient
+	wake chan struct{} // a heart joined: the earliest step may be earlier
+	ctx  context.Context
+	stop context.CancelFunc
+	done chan struct{} // closed when run returns
+
+	phase float64 // where its slots start, in slots: random in [0, pacerSlots)
+
+	mu      sync.Mutex // protects hearts, members and every heart's due and at
+	hearts  heartHeap  // the hearts waiting for their next step
+	members int        // hearts joined and not left, in hearts or stepping
+}
+
+// pacerSlots is how many offsets into a window a pacer's hearts report
+// at: few, so that the hearts of many Limiters share a few round trips,
+// but more than one, so that one process does not send them all at once.
+const pacerSlots = 8
+
+// pacerSlack is how much earlier than due a step may run, as a part of
+// the heart's window, so that steps close in time share a wakeup and a
+// round trip: a count 2% early moves 2% of a window's traffic into the
+// next window, which a report of 4 windows smooths out.
+const pacerSlack = 50
+
+// pacers holds the pacer of each client that Limiters use.
+var pacers struct {
+	mu sync.Mutex // protects by
+	by map[redis.UniversalClient]*pacer
+}
+
+// join adds h to the pacer of its Limiter's client, starting the pacer if
+// h is its first.
+func join(h *heart) *pacer {
+	c := h.lim.cfg.Redis
+	pacers.mu.Lock()
+	defer pacers.mu.Unlock()
+	p := pacers.by[c]
+	if p == nil {
+		if pacers.by == nil {
+			pacers.by = make(map[redis.UniversalClient]*pacer)
+		}
+		p = &pacer{c: c, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: rand.Float64() * pacerSlots}
+		p.ctx, p.stop = context.WithCancel(context.Background())
+		pacers.by[c] = p
+		go p.run()
 	}
-	ctx, cancel := context.WithTimeout(ctx, every)
-	defer cancel()
-	sent := time.Now()
-	h, err := remote.Fleet(ctx, lim.cfg.Redis, lim.fleetKey(), k, offered, mine < 0, every)
-	if err != nil {
-		// The report may have been counted or not: not knowing, the
-		// instance counts itself out of that window (which keeps the sum
-		// at most 1 either way).
-		lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", err)
-		return 0, false, false
+	p.mu.Lock()
+	// Slot i starts (phase+i mod pacerSlots)/10 of the window after its
+	// first 5%: a process with one Limiter reports anywhere in 5-85%.
+	slot := math.Mod(float64(p.members)+p.phase, pacerSlots)
+	h.offset = h.every/20 + time.Duration(slot*float64(h.every)/10)
+	heap.Push(&p.hearts, h)
+	p.members++
+	p.mu.Unlock()
+	select {
+	case p.wake <- struct{}{}:
+	default:
 	}
-	rtt := time.Since(sent)
-	lim.view.Store(weigh(h, mine, lim.view.Load()))
-	return time.UnixMilli(h.Now).Sub(sent.Add(rtt / 2)), h.Taken, true
+	return p
+}
+
+// leave removes h from p; if it was p's last, it stops p and waits for its
+// goroutine. A report of h's in flight, sent with others, may still store
+// h's Limiter's view, which is closed.
+func (p *pacer) leave(h *heart) {
+	pacers.mu.Lock()
+	p.mu.Lock()
+	if h.at >= 0 {
+		heap.Remove(&p.hearts, h.at)
+	}
+	h.at = -2 // gone: not to be pushed again
+	p.members--
+	last := p.members == 0
+	p.mu.Unlock()
+	if last && pacers.by[p.c] == p {
+		delete(pacers.by, p.c)
+	}
+	pacers.mu.Unlock()
+	if last {
+		p.stop()
+		<-p.done
+	}
+}
+
+// run steps the hearts until stop.
+func (p *pacer) run() {
+	defer close(p.done)
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	var steps []*heart
+	var beats []remote.Beat
+	var sending []*heart
+	for {
+		p.mu.Lock()
+		next := time.Now().Add(time.Hour)
+		if len(p.hearts) > 0 {
+			next = p.hearts[0].due
+		}
+		p.mu.Unlock()
+		t.Reset(time.Until(next))
+		select {
+		case <-t.C:
+		case <-p.wake:
+			continue
+		case <-p.ctx.Done():
+			return
+		}
+		now := time.Now()
+		steps = steps[:0]
+		p.mu.Lock()
+		for len(p.hearts) > 0 {
+			h := p.hearts[0]
+			if h.due.Sub(now) > h.every/pacerSlack {
+				break
+			}
+			heap.Pop(&p.hearts)
+			steps = append(steps, h)
+		}
+		p.mu.Unlock()
+		beats, sending = beats[:0], sending[:0]
+		var every time.Duration
+		for _, h := range steps {
+			switch {
+			case h.counting:
+				h.count()
+			case h.skip():
+				h.answer(nil, now, now)
+			default:
+				mine := h.mine()
+				beats = append(beats, remote.Beat{Base: h.lim.fleetKey(), Window: h.k,
+					Offered: h.offered, Ticket: mine < 0, Every: h.every})
+				sending = append(sending, h)
+				every = max(every, h.every)
+			}
+		}
+		if len(beats) > 0 {
+			ctx, cancel := context.WithTimeout(p.ctx, every)
+			sent := time.Now()
+			remote.Beats(ctx, p.c, beats)
+			got := time.Now()
+			cancel()
+			for i, h := range sending {
+				h.answer(&beats[i], sent, got)
+			}
+		}
+		p.mu.Lock()
+		for _, h := range steps {
+			if h.at == -1 {
+				heap.Push(&p.hearts, h)
+			}
+		}
+		p.mu.Unlock()
+	}
+}
+
+// heartHeap orders hearts by their next step's time.
+type heartHeap []*heart
+
+func (q heartHeap) Len() int           { return len(q) }
+func (q heartHeap) Less(i, j int) bool { return q[i].due.Before(q[j].due) }
+func (q heartHeap) Swap(i, j int) {
+	q[i], q[j] = q[j], q[i]
+	q[i].at, q[j].at = i, j
+}
+func (q *heartHeap) Push(x any) {
+	h := x.(*heart)
+	h.at = len(*q)
+	*q = append(*q, h)
+}
+func (q *heartHeap) Pop() any {
+	old := *q
+	h := old[len(old)-1]
+	old[len(old)-1] = nil
+	*q = old[:len(old)-1]
+	h.at = -1
+	return h
 }
 
 // weigh returns the view after heartbeat h, given the view before, prev.

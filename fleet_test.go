@@ -2,14 +2,19 @@ package hybridlimit
 
 import (
 	"context"
+	"crypto/sha1"
 	"errors"
+	"fmt"
 	"hash/maphash"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/lua"
+	"github.com/redis/go-redis/v9"
 )
 
 // TestDemandTally: tokens offered to a key count until they reach its
@@ -123,5 +128,177 @@ func TestFleetAbuse(t *testing.T) {
 		if flooded[i] < 0.85*fair[i] {
 			t.Errorf("instance %d serving Y: weight %.3f with X flooded; want at least 85%% of %.3f", i, flooded[i], fair[i])
 		}
+	}
+}
+
+var fleetSHA = fmt.Sprintf("%x", sha1.Sum([]byte(lua.Fleet)))
+
+// beatCounter is a go-redis hook that counts the fleet script's calls
+// and the round trips that carried them.
+type beatCounter struct{ beats, trips atomic.Int64 }
+
+func (*beatCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func isBeat(cmd redis.Cmder) bool {
+	args := cmd.Args()
+	if len(args) < 2 {
+		return false
+	}
+	s, _ := args[1].(string)
+	return s == fleetSHA || s == lua.Fleet
+}
+
+func (b *beatCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if isBeat(cmd) {
+			b.beats.Add(1)
+			b.trips.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (b *beatCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		n := 0
+		for _, cmd := range cmds {
+			if isBeat(cmd) {
+				n++
+			}
+		}
+		if n > 0 {
+			b.beats.Add(int64(n))
+			b.trips.Add(1)
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// TestPacerSharesRoundTrips: the heartbeats of Limiters that share a
+// client go out together, a few round trips per window rather than one
+// per Limiter, every Limiter still learns the fleet from them, and the
+// one goroutine that sends them stops when the last of them closes.
+func TestPacerSharesRoundTrips(t *testing.T) {
+	leakCheck(t)
+	const n, every = 24, 100 * time.Millisecond
+	srv := redistest.Start(t)
+	c := srv.Client(t)
+	var hooks beatCounter
+	c.AddHook(&hooks)
+	var lims []*Limiter
+	for range n {
+		lim, err := New(Config{Redis: c, Limit: PerSecond(100), Prefix: t.Name() + ":", Heartbeat: every})
+		if err != nil {
+			t.Fatal(err)
+		}
+		lims = append(lims, lim)
+	}
+	// A window's sum is read three windows after it: wait for every
+	// Limiter to have read one that counted all of them, within 3 s.
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		all := true
+		for _, lim := range lims {
+			all = all && lim.Stats().Fleet == n
+		}
+		if all {
+			break
+		}
+		if time.Now().After(deadline) {
+			for i, lim := range lims {
+				if s := lim.Stats(); s.Fleet != n {
+					t.Errorf("Limiter %d: Stats().Fleet = %d; want %d", i, s.Fleet, n)
+				}
+			}
+			break
+		}
+		time.Sleep(every)
+	}
+	beats, trips := hooks.beats.Load(), hooks.trips.Load()
+	t.Logf("%d heartbeats in %d round trips", beats, trips)
+	// pacerSlots round trips per window at most, for n heartbeats, and a
+	// few more for the first windows (NOSCRIPT, a late timer).
+	if beats < n || trips*n > beats*(pacerSlots+2) {
+		t.Errorf("%d heartbeats in %d round trips; want at most %d round trips per %d heartbeats", beats, trips, pacerSlots+2, n)
+	}
+	p := lims[0].pacer
+	for _, lim := range lims[1:] {
+		if lim.pacer != p {
+			t.Fatal("Limiters sharing a client have different pacers")
+		}
+	}
+	for _, lim := range lims[:n-1] {
+		lim.Close()
+	}
+	select {
+	case <-p.done:
+		t.Fatal("the pacer stopped while a Limiter still uses it")
+	default:
+	}
+	lims[n-1].Close()
+	select {
+	case <-p.done:
+	default:
+		t.Fatal("the pacer still runs after its last Limiter closed")
+	}
+	pacers.mu.Lock()
+	_, still := pacers.by[c]
+	pacers.mu.Unlock()
+	if still {
+		t.Error("the closed pacer is still registered for its client")
+	}
+}
+
+// TestPacerOffsets: a process with one Limiter reports anywhere from 5%
+// to 85% into the window, so that a fleet of such processes spreads its
+// heartbeats over the window; the Limiters of one client spread over the
+// pacer's slots.
+func TestPacerOffsets(t *testing.T) {
+	const every, n = time.Second, 200
+	newLim := func(c *redis.Client) *Limiter {
+		lim := &Limiter{cfg: Config{Redis: c, Heartbeat: every}}
+		lim.ctx, lim.cancel = context.WithCancel(context.Background())
+		return lim
+	}
+	var low, high int
+	for range n {
+		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"}) // never dialed: no step is due
+		lim := newLim(c)
+		h := newHeart(lim)
+		p := join(h)
+		off := h.offset
+		p.leave(h)
+		lim.cancel()
+		c.Close()
+		if off < every/20 || off >= every*17/20 {
+			t.Fatalf("offset %v; want within [%v, %v)", off, every/20, every*17/20)
+		}
+		if off < every*9/20 {
+			low++
+		} else {
+			high++
+		}
+	}
+	if low < n/4 || high < n/4 {
+		t.Errorf("offsets of single-Limiter processes: %d in the window's 5-45%%, %d in 45-85%%; want at least %d each", low, high, n/4)
+	}
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer c.Close()
+	slots := make(map[time.Duration]int)
+	var hearts []*heart
+	var p *pacer
+	for range 2 * pacerSlots {
+		lim := newLim(c)
+		defer lim.cancel()
+		h := newHeart(lim)
+		p = join(h)
+		hearts = append(hearts, h)
+		slots[h.offset]++
+	}
+	for _, h := range hearts {
+		p.leave(h)
+	}
+	if len(slots) != pacerSlots {
+		t.Errorf("%d Limiters of one client report at %d offsets; want %d: %v", 2*pacerSlots, len(slots), pacerSlots, slots)
 	}
 }

@@ -131,6 +131,8 @@ type Limiter struct {
 	nodes   atomic.Pointer[nodeMap] // cluster nodes by address; copy on write
 	count   atomic.Int64            // tokens offered, for the fleet's weights (see demand)
 	demand  *demand                 // counts count; nil without a heartbeat
+	heart   *heart                  // the heartbeat; nil without one
+	pacer   *pacer                  // runs heart, with the others of cfg.Redis
 	healed  chan *node              // nodes whose breaker closed, to reconcile
 	owed    chan struct{}           // local decisions on nodes whose breaker is closed
 	opened  chan struct{}           // a breaker opened: wakes the prober
@@ -211,8 +213,10 @@ const sweepEvery = 10 * time.Second
 // New starts a few goroutines per Redis node, which send decisions, one
 // that loads the scripts into Redis, one that drops idle local buckets, one that probes nodes whose breaker is
 // open, one that charges Redis for local spending when a node's breaker
-// closes, and one that sends the fleet heartbeat;
-// Close stops them and waits for them to return. New does not talk to
+// closes; Close stops them and waits for them to return. The fleet
+// heartbeats of all Limiters that share one client are sent by one
+// goroutine, which the first of them starts and the last to Close stops
+// and waits for. New does not talk to
 // Redis: the first decision loads the script.
 func New(cfg Config) (*Limiter, error) {
 	if err := cfg.validate(); err != nil {
@@ -250,8 +254,8 @@ func New(cfg Config) (*Limiter, error) {
 	go lim.warm()
 	if cfg.Heartbeat > 0 {
 		lim.demand = newDemand()
-		lim.wg.Add(1)
-		go lim.heartbeat()
+		lim.heart = newHeart(lim)
+		lim.pacer = join(lim.heart)
 	}
 	return lim, nil
 }
@@ -828,6 +832,9 @@ func (lim *Limiter) Close() error {
 		lim.mu.Unlock()
 		close(lim.done)
 		lim.cancel()
+		if lim.pacer != nil {
+			lim.pacer.leave(lim.heart)
+		}
 		lim.wg.Wait()
 		if lim.single != nil {
 			lim.single.pipe.Close()

@@ -51,30 +51,87 @@ const (
 // twice. Fleet waits as long as the client does: call it from a goroutine
 // that may wait.
 func Fleet(ctx context.Context, c redis.UniversalClient, base string, window, offered int64, ticket bool, every time.Duration) (Heartbeat, error) {
-	read := window - 2
-	report := min(max(offered, 0), MaxReport)<<reporterBits | 1
+	b := []Beat{{Base: base, Window: window, Offered: offered, Ticket: ticket, Every: every}}
+	Beats(ctx, c, b)
+	return b[0].Heartbeat, b[0].Err
+}
+
+// Beat is one heartbeat of Beats: the arguments of Fleet, and what came
+// of it.
+type Beat struct {
+	Base      string
+	Window    int64
+	Offered   int64
+	Ticket    bool
+	Every     time.Duration
+	Heartbeat Heartbeat // set by Beats if Err is nil
+	Err       error
+}
+
+// Beats sends every heartbeat of beats as Fleet would, in one pipeline:
+// one round trip for the heartbeats of many Limiters that share c, so
+// that what they cost this process and Redis's socket work are paid once
+// per batch rather than once per heartbeat. Redis runs each one's script
+// on its own; one that met NOSCRIPT is sent again with the source, in a
+// second round trip.
+func Beats(ctx context.Context, c redis.UniversalClient, beats []Beat) {
+	cmds := make([]noRetryCmd, len(beats))
+	send := func(source bool, which []int) {
+		if len(which) == 1 {
+			// No pipeline for one: a Cluster client routes it by itself.
+			i := which[0]
+			cmds[i] = beatCmd(ctx, &beats[i], source)
+			_ = c.Process(ctx, cmds[i])
+			return
+		}
+		pl := c.Pipeline()
+		for _, i := range which {
+			cmds[i] = beatCmd(ctx, &beats[i], source)
+			_ = pl.Process(ctx, cmds[i])
+		}
+		_, _ = pl.Exec(ctx)
+	}
+	all := make([]int, len(beats))
+	for i := range all {
+		all[i] = i
+	}
+	send(false, all)
+	var again []int
+	for i, cmd := range cmds {
+		if isNoScript(cmd.Err()) {
+			again = append(again, i)
+		}
+	}
+	if len(again) > 0 {
+		send(true, again)
+	}
+	for i, cmd := range cmds {
+		b := &beats[i]
+		if b.Err = cmd.Err(); b.Err != nil {
+			b.Heartbeat = Heartbeat{}
+			continue
+		}
+		b.Heartbeat, b.Err = parseHeartbeat(cmd.Val())
+		b.Heartbeat.Window = b.Window - 2
+	}
+}
+
+// beatCmd returns the EVALSHA (or, with source, the EVAL) of b.
+func beatCmd(ctx context.Context, b *Beat, source bool) noRetryCmd {
+	verb, script := "evalsha", fleetScript.sha
+	if source {
+		verb, script = "eval", fleetScript.src
+	}
+	read := b.Window - 2
+	report := min(max(b.Offered, 0), MaxReport)<<reporterBits | 1
 	want := "0"
-	if ticket {
+	if b.Ticket {
 		want = "1"
 	}
-	args := func(verb, script string) noRetryCmd {
-		return noRetryCmd{redis.NewCmd(ctx, verb, script, 2,
-			base+":"+strconv.FormatInt(window, 10), base+":"+strconv.FormatInt(read, 10),
-			strconv.FormatInt(window, 10), strconv.FormatInt(report, 10),
-			strconv.FormatInt(read, 10), strconv.FormatInt(every.Milliseconds(), 10), want)}
-	}
-	cmd := args("evalsha", fleetScript.sha)
-	err := c.Process(ctx, cmd)
-	if isNoScript(err) {
-		cmd = args("eval", fleetScript.src)
-		err = c.Process(ctx, cmd)
-	}
-	if err != nil {
-		return Heartbeat{}, err
-	}
-	h, err := parseHeartbeat(cmd.Val())
-	h.Window = read
-	return h, err
+	return noRetryCmd{redis.NewCmd(ctx, verb, script, 2,
+		b.Base+":"+strconv.FormatInt(b.Window, 10), b.Base+":"+strconv.FormatInt(read, 10),
+		strconv.FormatInt(b.Window, 10), strconv.FormatInt(report, 10),
+		strconv.FormatInt(read, 10), strconv.FormatInt(b.Every.Milliseconds(), 10), want)}
 }
 
 // parseHeartbeat turns the script's reply into a Heartbeat, or ErrReply if
