@@ -42,6 +42,7 @@ var (
 	simFirst = flag.Uint64("sim.first", 1, "simulator: first seed")
 	simSeed  = flag.Int64("sim.seed", -1, "simulator: replay this one seed, shrink it, print its schedule and decisions")
 	simChild = flag.Bool("sim.child", false, "simulator: run the seeds here, one at a time, and print each one's result (for TestSim's own processes)")
+	simDump  = flag.Duration("sim.dump", 0, "simulator: with -sim.seed, print every goroutine's stack at this virtual time of the first run")
 	simTrace = flag.Bool("sim.trace", false, "simulator: with -sim.seed, print every breaker change and every change of an instance's mode")
 )
 
@@ -514,14 +515,12 @@ func (r *simRun) limitAt(at time.Duration) Limit {
 func (r *simRun) run() {
 	s := r.s
 	r.t0 = time.Now()
-	if os.Getenv("SIMDUMP") != "" {
-		d, _ := time.ParseDuration(os.Getenv("SIMDUMP"))
-		time.AfterFunc(d, func() {
-			buf := make([]byte, 8<<20)
-			buf = buf[:runtime.Stack(buf, true)]
-			if _, err := os.Stat("/tmp/simdump.txt"); err != nil {
-				os.WriteFile("/tmp/simdump.txt", buf, 0o644)
-			}
+	if *simDump > 0 && *simSeed >= 0 {
+		time.AfterFunc(*simDump, func() {
+			dumpOnce.Do(func() {
+				buf := make([]byte, 8<<20)
+				fmt.Printf("goroutines at %v:\n%s\n", *simDump, buf[:runtime.Stack(buf, true)])
+			})
 		})
 	}
 	r.plan()
@@ -1054,6 +1053,9 @@ func (r *simRun) observed(i int, key string, t time.Duration) (time.Duration, bo
 	}
 	return times[j-1], true
 }
+
+// dumpOnce makes -sim.dump print the first run only, not the shrinking's.
+var dumpOnce sync.Once
 
 // answeredKey names the script calls of one slot on one key.
 type answeredKey struct {
