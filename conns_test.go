@@ -3,14 +3,17 @@ package hybridlimit
 import (
 	"context"
 	"net"
+	"strconv"
 	"sync"
 	"testing"
 	"testing/synctest"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
 	"github.com/hybridlimit/hybridlimit/internal/simnet"
 	"github.com/hybridlimit/hybridlimit/internal/simredis"
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // TestDecisionsSurviveResetConnsOverTLS: after a reset (a failover, a
@@ -62,5 +65,69 @@ func TestDecisionsSurviveResetConnsOverTLS(t *testing.T) {
 				t.Fatalf("decision %d after the reset: %+v, %v; want allowed by Redis", i, d, err)
 			}
 		}
+	})
+}
+
+// TestChargesAppliedOnce: with replies slower than the budget, every
+// decision times out and is decided locally, and every charge for that
+// spending runs in Redis while its instance hears nothing back, so each
+// is sent again at the next reconciliation. Redis must apply the spending
+// once: the charges it applied add up to at most what was admitted
+// locally.
+func TestChargesAppliedOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := simredis.New()
+		defer srv.Close()
+		var mu sync.Mutex
+		var charged int64 // units Redis took in charges
+		srv.Hook = func(_ int, _ string, argv []string, reply any) {
+			r, _ := reply.([]any)
+			if len(argv) > 4 && argv[4] == "charge" && len(r) > 0 && r[0] != int64(4) {
+				units, _ := strconv.ParseInt(argv[3], 10, 64)
+				mu.Lock()
+				charged += units
+				mu.Unlock()
+			}
+		}
+		link := simnet.NewLink()
+		client := redis.NewClient(&redis.Options{
+			Addr: "10.0.0.1:6379", // an IP: a hostname would be looked up
+			Dialer: func(context.Context, string, string) (net.Conn, error) {
+				return link.Dial(func(c net.Conn) { srv.Serve(c, 0) })
+			},
+		})
+		defer client.Close()
+		lim, err := New(Config{Redis: client, Limit: PerSecond(10), Instances: 1, Timeout: 50 * time.Millisecond,
+			Breaker: BreakerConfig{Failures: 1000}, Heartbeat: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer lim.Close()
+		ctx := context.Background()
+		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("first decision: %+v, %v", d, err)
+		}
+		link.SetLatency(80 * time.Millisecond)
+		local := int64(0)
+		for range 10 {
+			d, err := lim.AllowN(ctx, "k", 3)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if d.Mode == ModeLocal && d.Allowed {
+				local += 3
+			}
+			time.Sleep(150 * time.Millisecond) // a reconciliation between decisions
+		}
+		link.SetLatency(0)
+		time.Sleep(time.Second)
+		rl, _ := remote.NewLimit(10, 10)
+		mu.Lock()
+		got := float64(charged) / float64(rl.P)
+		mu.Unlock()
+		if local == 0 || got > float64(local)+0.5 {
+			t.Errorf("Redis applied charges of %.2f tokens for %d admitted locally; want at most those", got, local)
+		}
+		t.Logf("%d tokens admitted locally, %.2f charged", local, got)
 	})
 }

@@ -30,6 +30,8 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -139,7 +141,12 @@ type Limiter struct {
 
 	mu          sync.Mutex // serializes writers of nodes, and closed with them
 	closed      atomic.Bool
-	reconciling sync.Mutex // held by reconcile
+	reconciling sync.Mutex // held by reconcile; protects unanswered and onces
+	// unanswered holds, by key, the charges sent and not answered: sent
+	// again under the same Once, Redis applies each at most once.
+	unanswered map[string][]pendingCharge
+	onces      uint64 // charges named so far
+	onceBase   string // this Limiter's part of every Once, random
 	// spentLocally is set by the first local decision that granted tokens:
 	// from then on there can be local spending to charge.
 	spentLocally atomic.Bool
@@ -223,14 +230,16 @@ func New(cfg Config) (*Limiter, error) {
 		return nil, err
 	}
 	lim := &Limiter{
-		cfg:    cfg,
-		shares: local.New(cfg.MaxLocalKeys),
-		healed: make(chan *node, 1),
-		owed:   make(chan struct{}, 1),
-		opened: make(chan struct{}, 1),
-		tried:  make(chan struct{}),
-		warmed: make(chan struct{}),
-		done:   make(chan struct{}),
+		cfg:        cfg,
+		shares:     local.New(cfg.MaxLocalKeys),
+		unanswered: map[string][]pendingCharge{},
+		onceBase:   strconv.FormatUint(rand.Uint64(), 36) + ".",
+		healed:     make(chan *node, 1),
+		owed:       make(chan struct{}, 1),
+		opened:     make(chan struct{}, 1),
+		tried:      make(chan struct{}),
+		warmed:     make(chan struct{}),
+		done:       make(chan struct{}),
 	}
 	lim.ctx, lim.cancel = context.WithCancel(context.Background())
 	lim.born = time.Now()

@@ -3,6 +3,7 @@ package hybridlimit
 import (
 	"context"
 	"math"
+	"strconv"
 	"sync"
 	"time"
 
@@ -100,9 +101,22 @@ func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
 			return // reported again by the next Drain
 		}
 		rl := ls.rl
-		units := int64(math.Round(math.Min(spent, float64(ls.Burst)) * float64(rl.P)))
-		charges = append(charges, charge{nd, key, spent,
-			remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Units: units, Charge: true}})
+		add := func(p pendingCharge) {
+			units := int64(math.Round(math.Min(p.spent, float64(ls.Burst)) * float64(rl.P)))
+			charges = append(charges, charge{nd, key, p.spent,
+				remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Units: units, Charge: true, Once: p.once}})
+		}
+		// What was charged and not answered goes again under its Once;
+		// what was spent since, under a new one.
+		for _, p := range lim.unanswered[key] {
+			add(p)
+			spent -= p.spent
+		}
+		delete(lim.unanswered, key)
+		if spent > 1e-9 {
+			lim.onces++
+			add(pendingCharge{once: lim.onceBase + strconv.FormatUint(lim.onces, 36), spent: spent})
+		}
 	})
 	if len(charges) == 0 {
 		return
@@ -121,21 +135,30 @@ func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
 			if c.nd == probing {
 				p = underProbe
 			}
-			// A charge that was not answered stays owed, even though a
-			// paused Redis may run it when it resumes: go-redis cannot say
-			// whether it was written (it may still have been dialing), and
-			// a charge lost lets the local bucket start over, which
-			// admits now what is charged twice only later.
+			// A charge that was not answered stays owed, although a
+			// paused Redis may run it when it resumes (go-redis cannot say
+			// whether it was written): it goes again under the same Once,
+			// which Redis applies at most once.
 			if _, o := lim.call(ctx, c.nd, p, c.req); o == answered {
 				lim.shares.Settle(c.key, c.spent)
 				return
 			}
 			mu.Lock()
 			failed++
+			// Perhaps run: the next one goes under this Once, which is
+			// harmless if this one never left.
+			lim.unanswered[c.key] = append(lim.unanswered[c.key], pendingCharge{once: c.req.Once, spent: c.spent})
 			mu.Unlock()
 		})
 	}
 	wg.Wait()
 	lim.cfg.Logger.Info("hybridlimit: charged Redis for local spending",
 		"limiter", lim.cfg.Name, "keys", len(charges), "failed", failed)
+}
+
+// pendingCharge is a charge of spent tokens, named once so that Redis
+// applies it at most once however often it is sent.
+type pendingCharge struct {
+	once  string
+	spent float64
 }

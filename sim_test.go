@@ -526,11 +526,14 @@ func (r *simRun) run() {
 	r.plan()
 	r.srv = simredis.New()
 	r.answered = map[answeredKey][]time.Duration{}
-	r.srv.Hook = func(tag int, key string, argv []string, _ any) {
+	r.srv.Hook = func(tag int, key string, argv []string, reply any) {
 		r.mu.Lock()
 		k := answeredKey{tag, strings.TrimPrefix(key, DefaultPrefix)}
 		r.answered[k] = append(r.answered[k], r.since())
 		r.mu.Unlock()
+		if again, _ := reply.([]any); len(again) > 0 && again[0] == int64(4) {
+			return // a charge applied before: nothing taken
+		}
 		if len(argv) > 4 && argv[4] == "charge" {
 			var units int64
 			fmt.Sscan(argv[3], &units)

@@ -486,10 +486,15 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int, capacit
 	}
 	if b.r != r || b.burst != burst {
 		// Rare: the limit changed. Changing the limiter under sh.mu keeps
-		// it in step with b when calls with different limits race.
+		// it in step with b when calls with different limits race. What
+		// was spent so far is measured under the old limit and kept as
+		// owed, and spending is measured afresh from here: measured from
+		// the old start at the new rate, a raised limit would look spent.
+		b.owed += s.spent(b, now)
 		b.lim.SetLimitAt(now, r)
 		b.lim.SetBurstAt(now, burst)
 		b.r, b.burst = r, burst
+		b.seed, b.seedAt = b.lim.TokensAt(now), s.mono(now)
 	}
 	return b.lim
 }

@@ -668,3 +668,22 @@ func TestLease(t *testing.T) {
 		t.Errorf("TakeLease allocates %v times; want 0", got)
 	}
 }
+
+// TestDrainAcrossLimitChange: a raised limit is not spending. Measured
+// from the bucket's start at the new rate and burst, the refill before the
+// change would look spent; what was spent before it is kept.
+func TestDrainAcrossLimitChange(t *testing.T) {
+	s := New(1000)
+	s.Observe(t0, 1, "a", 10, 10, 10) // full
+	s.AllowN(t0, "a", 10, 10, 10.0, 4)
+	// A second later, full again; the limit becomes 20/s burst 100.
+	at := t0.Add(time.Second)
+	s.AllowN(at, "a", 20, 100, 100.0, 1)
+	var got float64
+	s.Drain(at.Add(time.Second), nil, func(_ string, spent float64) { got = spent })
+	// 4 spent and refilled before the change; 1 spent after it, at a
+	// refill of 20/s, in a bucket below its burst of 100.
+	if math.Abs(got-1) > 1e-9 {
+		t.Errorf("Drain after a raised limit = %v; want 1, the token taken after the change", got)
+	}
+}

@@ -14,6 +14,13 @@
 --          spent on its local share meanwhile; a charge of 0 is the
 --          breaker's probe, which runs and writes like a decision but takes
 --          nothing.
+--          With a second key, KEYS[2], the charge is applied at most
+--          once: the script sets KEYS[2] (in the bucket's slot) for
+--          ARGV[6] milliseconds, and a charge that finds it set takes
+--          nothing and answers flags 4. An instance sends an unanswered
+--          charge again under the same KEYS[2]: a paused Redis that runs
+--          the first one when it resumes, or a reply slower than the
+--          budget, then charges the spending once, not twice.
 --          "reserve": take cost if the bucket then owes at most ARGV[6]
 --          units: the level may go below zero, and the caller waits until
 --          the refill has paid it (WaitN).
@@ -71,7 +78,7 @@
 -- full bucket and reported.
 --
 -- Returns {flags, level, now_us}: flags is 1 if allowed, plus 2 if the
--- value was repaired; level is what the bucket holds after the call,
+-- value was repaired, or 4 alone for a charge applied before; level is what the bucket holds after the call,
 -- negative while it is in debt. In lease mode a fourth value is the units
 -- leased beyond cost.
 
@@ -157,7 +164,10 @@ end
 
 local mode = ARGV[5]
 local leased = 0
-if mode == 'charge' then
+if mode == 'charge' and KEYS[2] and not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[6]) then
+  -- This charge was applied before: nothing to take, nothing to write.
+  return {4, level, now}
+elseif mode == 'charge' then
   -- Never below -cap, nor below what reservations already owe.
   flags = flags + 1
   if level - cost < -cap then

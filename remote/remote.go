@@ -93,9 +93,10 @@ type call struct {
 	ctx   context.Context
 	key   string
 	lim   Limit
-	cost  int64 // units (of 1/lim.P token) to take or charge
-	mode  mode  // the script's mode
-	extra int64 // lease mode: units to lease beyond cost, at most
+	cost  int64  // units (of 1/lim.P token) to take or charge
+	mode  mode   // the script's mode
+	extra int64  // lease mode: units to lease beyond cost, at most
+	once  string // charge mode: the key that makes the charge apply at most once
 	sent  atomic.Bool
 	res   Result
 	err   error
@@ -190,6 +191,12 @@ type Request struct {
 	// the charge for tokens spent without Redis (the script's charge mode).
 	// The Result then has Allowed true and the Level left.
 	Charge bool
+	// Once, with Charge, names the charge so that Redis applies it at
+	// most once, however often it is sent: a charge that was sent and not
+	// answered is sent again with the same Once and the same Units. The
+	// Result of one applied before has Allowed true and Again true. Once
+	// is kept by Redis for OnceFor, in a key beside Key's (OnceKey).
+	Once string
 	// Lease, above zero, also takes up to Lease more whole tokens if Units
 	// are taken, as many as the bucket holds, for the caller to spend
 	// without asking Redis again; Result.Leased says how many.
@@ -230,6 +237,9 @@ func (p *Pipe) Do(ctx context.Context, r Request) (Result, error) {
 		m = modeLease
 	}
 	c := p.newCall(ctx, r.Key, r.Limit, r.Units, m)
+	if m == modeCharge && r.Once != "" {
+		c.once = OnceKey(r.Key, r.Once) // "" for a key that cannot have one
+	}
 	switch m {
 	case modeLease:
 		c.extra = r.Limit.Units(r.Lease)
@@ -544,6 +554,9 @@ func (p *Pipe) evalCmd(ctx context.Context, withSource bool, c *call) noRetryCmd
 	}
 	switch c.mode {
 	case modeCharge:
+		if c.once != "" {
+			return noRetryCmd{redis.NewCmd(ctx, verb, script, 2, c.key, c.once, b.q, b.p, b.cap, cost, "charge", onceForMillis)}
+		}
 		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "charge")}
 	case modeLease:
 		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "lease", c.extra)}
@@ -577,4 +590,28 @@ func (p *Pipe) box(lim Limit) *boxed {
 
 func isNoScript(err error) bool {
 	return err != nil && redis.HasErrorPrefix(err, "NOSCRIPT")
+}
+
+// OnceFor is how long Redis remembers a charge's Once: a charge sent again
+// later than that after the first one ran is applied again. An instance
+// sends an unanswered charge again at its next reconciliation, which
+// comes within a second of Redis answering again; a minute bounds the
+// keys kept, at most one per charge.
+const OnceFor = time.Minute
+
+var onceForMillis = OnceFor.Milliseconds()
+
+// OnceKey returns the key under which Redis remembers charge once of key,
+// in key's Cluster slot so that one script may touch both: key's hash tag
+// kept, or key made the tag. It returns "" for the rare key that neither
+// keeps (a '}' without a tag before it): its charges are sent without a
+// Once, and one sent again may be applied twice.
+func OnceKey(key, once string) string {
+	slot := Slot(key)
+	for _, k := range []string{key + ":once:" + once, "{" + key + "}:once:" + once} {
+		if Slot(k) == slot {
+			return k
+		}
+	}
+	return ""
 }

@@ -34,6 +34,9 @@ type Result struct {
 	Now int64
 	// Leased is, for Lease, the whole tokens taken beyond n.
 	Leased int64
+	// Again is, for a charge with a Once, that Redis had applied it
+	// before: nothing was taken now.
+	Again bool
 }
 
 // parseReply turns the script's reply {flags, level, now} (and leased, in
@@ -58,6 +61,13 @@ func parseReply(v any, lim Limit, cost int64, m mode) (Result, error) {
 		}
 	}
 	flags, level, now, leased := n[0], n[1], n[2], n[3]
+	if flags == 4 && m == modeCharge {
+		// Applied before, under the same Once: nothing taken now.
+		if lim.Q < 1 || lim.P < 1 || level < -maxExact || level > lim.Cap() {
+			return Result{}, fmt.Errorf("%w: %v", ErrReply, vals)
+		}
+		return Result{Allowed: true, Again: true, Level: level, ResetAfter: micros(ceilDiv(lim.Cap()-level, lim.Q)), Now: now}, nil
+	}
 	if lim.Q < 1 || lim.P < 1 {
 		return Result{}, fmt.Errorf("%w: for a zero limit %+v", ErrReply, lim)
 	}

@@ -81,24 +81,34 @@ func TestModelMatchesRedis(t *testing.T) {
 			argv = append(argv, "lease", rl.P*rng.Int64N(rl.Burst+1))
 		case 2: // a large refund, in debt or not
 			argv[3] = -rng.Int64N(rl.Cap() + 1)
+		case 4: // a charge applied at most once, sent twice
+			once := remote.OnceKey(key, strconv.Itoa(i))
+			ch := []any{rl.Q, rl.P, rl.Cap(), rng.Int64N(2*rl.Cap() + 1), "charge", int64(1000 + rng.IntN(1000))}
+			call(t, c, m, i, key, once, ch)
+			call(t, c, m, i, key, once, ch)
+			continue
 		case 3: // a charge, then a denial under a larger burst at the same P: the TTL follows the limit
 			ch := []any{rl.Q, rl.P, rl.Cap(), rl.Cap(), "charge"}
-			call(t, c, m, i, key, ch)
+			call(t, c, m, i, key, "", ch)
 			big := remote.Limit{Q: rl.Q, P: rl.P, Burst: rl.Burst*4 + 1}
 			argv = []any{big.Q, big.P, big.Cap(), big.Cap()}
 		}
-		call(t, c, m, i, key, argv)
+		call(t, c, m, i, key, "", argv)
 	}
 }
 
 // call runs the bucket script with argv at key on the real server and on
 // the model, at the TIME the real script read, and fails unless the reply,
 // the stored bytes and the TTL are the same.
-func call(t *testing.T, c *redis.Client, m *Server, i int, key string, argv []any) {
+func call(t *testing.T, c *redis.Client, m *Server, i int, key, once string, argv []any) {
 	t.Helper()
 	ctx := context.Background()
 	{
-		got, err := c.EvalSha(ctx, bucketSHA, []string{key}, argv...).Result()
+		keys := []string{key}
+		if once != "" {
+			keys = append(keys, once)
+		}
+		got, err := c.EvalSha(ctx, bucketSHA, keys, argv...).Result()
 		if err != nil {
 			t.Fatalf("call %d: EVALSHA: %v", i, err)
 		}
@@ -117,7 +127,9 @@ func call(t *testing.T, c *redis.Client, m *Server, i int, key string, argv []an
 			}
 		}
 		at := time.UnixMicro(now)
-		want := m.bucket(at, key, sargs)
+		m.mu.Lock()
+		want := m.bucket(at, key, once, sargs)
+		m.mu.Unlock()
 		if !reflect.DeepEqual(want, got) {
 			t.Fatalf("call %d %s %v: model %v, redis %v", i, key, argv, want, got)
 		}

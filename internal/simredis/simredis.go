@@ -371,14 +371,19 @@ func (s *Server) command(args []string, tag int) any {
 			return rerror("NOSCRIPT No matching script. Please use EVAL.")
 		}
 		nk, err := strconv.Atoi(args[2])
-		if err != nil || nk != 1 || len(args) < 4 {
-			return rerror("ERR the models take exactly one key")
+		if err != nil || nk < 1 || nk > 2 || nk == 2 && h != bucketSHA || len(args) < 3+nk {
+			return rerror("ERR the models take one key (the bucket's also a charge's marker)")
 		}
 		s.calls++
 		if h == bucketSHA {
-			reply := s.bucket(now, args[3], args[4:])
+			marker := ""
+			if nk == 2 {
+				marker = args[4]
+			}
+			argv := args[3+nk:]
+			reply := s.bucket(now, args[3], marker, argv)
 			if s.Hook != nil {
-				s.Hook(tag, args[3], args[4:], reply)
+				s.Hook(tag, args[3], argv, reply)
 			}
 			return reply
 		}
@@ -400,7 +405,7 @@ func number(s string) (float64, bool) {
 // bucket is lua/tokenbucket.lua. Numbers are float64, as Lua's are, so
 // that rounding happens where the script's does.
 // bucket requires that s.mu is held.
-func (s *Server) bucket(at time.Time, key string, argv []string) any {
+func (s *Server) bucket(at time.Time, key, marker string, argv []string) any {
 	if len(argv) < 4 {
 		return rerror("ERR Error running script: ARGV missing")
 	}
@@ -455,6 +460,16 @@ func (s *Server) bucket(at time.Time, key string, argv []string) any {
 		}
 	}
 	leased := 0.0
+	if mode == "charge" && marker != "" {
+		if s.get(at, marker) != nil {
+			return []any{int64(4), int64(level), int64(now)}
+		}
+		ttl := 0.0
+		if len(argv) > 5 {
+			ttl, _ = number(argv[5])
+		}
+		s.data[marker] = &value{s: []byte("1"), expire: at.Add(time.Duration(ttl) * time.Millisecond)}
+	}
 	if mode == "charge" {
 		flags++
 		if level-cost < -capacity {
