@@ -73,11 +73,15 @@ func (lim *Limiter) probePipe(nd *node) *remote.Pipe {
 	return nd.direct
 }
 
-// brokenRetries bounds how many more connections a call tries after
-// finding one broken (a probe, whatever broke; any call, when its write
-// failed): go-redis drops each broken one from its pool, and a pool holds
-// ten per CPU by default.
+// brokenRetries bounds how many more connections a call tries after its
+// write failed on a broken one (it did not run): go-redis drops each
+// broken one from its pool, and a pool holds ten per CPU by default.
 const brokenRetries = 32
+
+// probeRetries bounds the connections a probe tries again after one
+// found broken: a broken read may come from a proxy whose Redis is down,
+// where each try dials, so a probe's tries stay few.
+const probeRetries = 3
 
 // anyOpen reports whether any node's breaker is not closed.
 func (lim *Limiter) anyOpen() bool {
@@ -132,7 +136,7 @@ func (lim *Limiter) probe(ctx context.Context, nd *node) {
 		// found broken, it goes again on the client's next one rather
 		// than leaving the breaker open for another open period per
 		// connection the client pooled before Redis came back.
-		for again := 0; o == broken && again < brokenRetries; again++ {
+		for again := 0; o == broken && again < probeRetries && ctx.Err() == nil; again++ {
 			_, o, verdict = lim.send(ctx, nd, pipe, req)
 		}
 		if verdict == breaker.Success && i >= lim.cfg.Breaker.Probes {

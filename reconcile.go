@@ -89,10 +89,18 @@ func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
 		nd    *node
 		key   string
 		spent float64
+		first time.Time // when it was first sent
 		req   remote.Request
 	}
 	var charges []charge
 	now := lim.cfg.now()
+	for key, ps := range lim.unanswered {
+		// A key whose bucket went (idle, evicted) never drains again:
+		// its charges are dropped once Redis forgot their Once.
+		if now.Sub(ps[len(ps)-1].sent) >= remote.OnceFor {
+			delete(lim.unanswered, key)
+		}
+	}
 	lim.shares.Drain(now, func(key string) bool { return reachable(key) != nil }, func(key string, spent float64) {
 		nd := reachable(key)
 		var own limits
@@ -103,19 +111,23 @@ func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
 		rl := ls.rl
 		add := func(p pendingCharge) {
 			units := int64(math.Round(math.Min(p.spent, float64(ls.Burst)) * float64(rl.P)))
-			charges = append(charges, charge{nd, key, p.spent,
+			charges = append(charges, charge{nd, key, p.spent, p.sent,
 				remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Units: units, Charge: true, Once: p.once}})
 		}
-		// What was charged and not answered goes again under its Once;
-		// what was spent since, under a new one.
+		// What was charged and not answered goes again under its Once,
+		// while Redis still keeps it and it is still owed (a bucket
+		// dropped or reset meanwhile owes nothing); what was spent since
+		// goes under a new one.
 		for _, p := range lim.unanswered[key] {
-			add(p)
-			spent -= p.spent
+			if p.spent <= spent+1e-9 && now.Sub(p.sent) < remote.OnceFor {
+				add(p)
+				spent -= p.spent
+			}
 		}
 		delete(lim.unanswered, key)
 		if spent > 1e-9 {
 			lim.onces++
-			add(pendingCharge{once: lim.onceBase + strconv.FormatUint(lim.onces, 36), spent: spent})
+			add(pendingCharge{once: lim.onceBase + strconv.FormatUint(lim.onces, 36), spent: spent, sent: now})
 		}
 	})
 	if len(charges) == 0 {
@@ -147,7 +159,7 @@ func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
 			failed++
 			// Perhaps run: the next one goes under this Once, which is
 			// harmless if this one never left.
-			lim.unanswered[c.key] = append(lim.unanswered[c.key], pendingCharge{once: c.req.Once, spent: c.spent})
+			lim.unanswered[c.key] = append(lim.unanswered[c.key], pendingCharge{once: c.req.Once, spent: c.spent, sent: c.first})
 			mu.Unlock()
 		})
 	}
@@ -161,4 +173,5 @@ func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
 type pendingCharge struct {
 	once  string
 	spent float64
+	sent  time.Time // first sent: Redis keeps once for remote.OnceFor from about then
 }

@@ -508,7 +508,15 @@ func (p *Pipe) run(batch []*call, f *flight) {
 	}
 	for i, c := range batch {
 		if cmds[i].Cmd != nil {
-			c.result(cmds[i], cmds[i].Err())
+			err := cmds[i].Err()
+			if live > 1 && IsUnsent(err) {
+				// A pipeline takes several writes; Redis may have run the
+				// commands of the first before a later one failed, and
+				// go-redis gives every command the same error. Only a
+				// command written alone is known not to have run.
+				err = fmt.Errorf("%w: %v", ErrUnanswered, err)
+			}
+			c.result(cmds[i], err)
 		}
 	}
 }
@@ -594,10 +602,11 @@ func isNoScript(err error) bool {
 
 // OnceFor is how long Redis remembers a charge's Once: a charge sent again
 // later than that after the first one ran is applied again. An instance
-// sends an unanswered charge again at its next reconciliation, which
-// comes within a second of Redis answering again; a minute bounds the
-// keys kept, at most one per charge.
-const OnceFor = time.Minute
+// sends an unanswered charge again at its next reconciliation, within a
+// second of Redis answering it again; ten minutes cover an outage that
+// began right after Redis ran the charge, and bound the keys kept, one
+// small key per charge.
+const OnceFor = 10 * time.Minute
 
 var onceForMillis = OnceFor.Milliseconds()
 
