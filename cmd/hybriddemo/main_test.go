@@ -16,16 +16,19 @@ import (
 	"github.com/hybridlimit/hybridlimit"
 )
 
-// TestRun runs a short demo, Redis cut off from 1s to 2s, and checks that
-// Redis decided before the outage and each strategy's fallback during it,
-// and that run stopped everything it started.
+// TestRun runs a short demo, Redis cut off from 2s to 3s, and checks that
+// Redis decided in the second before the outage and each strategy's
+// fallback during it, and that run stopped everything it started. The
+// first second is left to the start: twelve Limiters and their clients
+// warming up under -race beside the load can make a healthy Redis miss
+// the 50ms budget there (TestColdStart covers a cold start).
 func TestRun(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	var out strings.Builder
 	got, err := run(context.Background(), options{
-		duration:    3 * time.Second,
-		outageStart: time.Second,
-		outageEnd:   2 * time.Second,
+		duration:    4 * time.Second,
+		outageStart: 2 * time.Second,
+		outageEnd:   3 * time.Second,
 		rate:        200,
 		limit:       100,
 		heartbeat:   200 * time.Millisecond,
@@ -34,29 +37,29 @@ func TestRun(t *testing.T) {
 		t.Fatalf("run: %v", err)
 	}
 	t.Logf("\n%s", out.String())
-	for _, want := range []string{"second  redis  strategy", "max in 1-2"} {
+	for _, want := range []string{"second  redis  strategy", "max in 2-3"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output has no %q", want)
 		}
 	}
 	for i, st := range strategies {
 		secs := got[i]
-		if len(secs) != 3 {
-			t.Fatalf("%s: %d seconds; want 3", st.name, len(secs))
+		if len(secs) != 4 {
+			t.Fatalf("%s: %d seconds; want 4", st.name, len(secs))
 		}
-		before, during := secs[0], secs[1]
+		before, during := secs[1], secs[2]
 		// A machine busy enough to make a decision overrun 50ms now and
 		// then may send a few to the fallback even while Redis is up.
 		if before.Total() < 100 || before.Modes["remote"] < before.Total()/2 {
-			t.Errorf("%s, second 0-1 (Redis up): %d decisions, modes %v; want 100 or more, mostly remote",
+			t.Errorf("%s, second 1-2 (Redis up): %d decisions, modes %v; want 100 or more, mostly remote",
 				st.name, before.Total(), before.Modes)
 		}
 		if during.Total() < 100 || during.Modes[st.mode] < during.Total()*9/10 {
-			t.Errorf("%s, second 1-2 (Redis cut off): %d decisions, modes %v; want 100 or more, nearly all %s",
+			t.Errorf("%s, second 2-3 (Redis cut off): %d decisions, modes %v; want 100 or more, nearly all %s",
 				st.name, during.Total(), during.Modes, st.mode)
 		}
 		if during.Errors != 0 {
-			t.Errorf("%s, second 1-2: %d errors; want none (Redis failures are not errors)", st.name, during.Errors)
+			t.Errorf("%s, second 2-3: %d errors; want none (Redis failures are not errors)", st.name, during.Errors)
 		}
 		if st.policy == hybridlimit.FailClosed && during.Allowed > 5 {
 			t.Errorf("FailClosed allowed %d while Redis was cut off; want (nearly) none", during.Allowed)
