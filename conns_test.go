@@ -91,10 +91,8 @@ func TestChargesAppliedOnce(t *testing.T) {
 		}
 		link := simnet.NewLink()
 		client := redis.NewClient(&redis.Options{
-			Addr: "10.0.0.1:6379", // an IP: a hostname would be looked up
-			Dialer: func(context.Context, string, string) (net.Conn, error) {
-				return link.Dial(func(c net.Conn) { srv.Serve(c, 0) })
-			},
+			Addr:   "10.0.0.1:6379", // an IP: a hostname would be looked up
+			Dialer: link.Dialer(func(c net.Conn) { srv.Serve(c, 0) }),
 		})
 		defer client.Close()
 		lim, err := New(Config{Redis: client, Limit: PerSecond(10), Instances: 1, Timeout: 50 * time.Millisecond,

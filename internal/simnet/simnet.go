@@ -12,6 +12,7 @@
 package simnet
 
 import (
+	"context"
 	"errors"
 	"io"
 	"net"
@@ -419,3 +420,9 @@ type addr string
 
 func (a addr) Network() string { return "sim" }
 func (a addr) String() string  { return string(a) }
+
+// Dialer returns a go-redis Options.Dialer that dials l, handing each
+// connection's server end to serve.
+func (l *Link) Dialer(serve func(net.Conn)) func(context.Context, string, string) (net.Conn, error) {
+	return func(context.Context, string, string) (net.Conn, error) { return l.Dial(serve) }
+}

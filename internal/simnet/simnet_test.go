@@ -25,9 +25,7 @@ func TestResetConnsDroppedFromPool(t *testing.T) {
 			Addr:       "10.0.0.1:6379", // an IP: a hostname would be looked up,
 			Protocol:   2,
 			MaxRetries: -1, // as the limiter's scripts are never retried
-			Dialer: func(context.Context, string, string) (net.Conn, error) {
-				return link.Dial(func(c net.Conn) { srv.Serve(c, 0) })
-			},
+			Dialer:     link.Dialer(func(c net.Conn) { srv.Serve(c, 0) }),
 		})
 		defer c.Close()
 		ctx := context.Background()
@@ -64,9 +62,7 @@ func TestLatencyOncePerReply(t *testing.T) {
 			Addr:       "10.0.0.1:6379", // an IP: a hostname would be looked up,
 			Protocol:   2,
 			MaxRetries: -1,
-			Dialer: func(context.Context, string, string) (net.Conn, error) {
-				return link.Dial(func(c net.Conn) { srv.Serve(c, 0) })
-			},
+			Dialer:     link.Dialer(func(c net.Conn) { srv.Serve(c, 0) }),
 		})
 		defer c.Close()
 		ctx := context.Background()
