@@ -234,13 +234,14 @@ func waitRemote(t *testing.T, lim *Limiter, key string) {
 func TestTimeoutsAreCharged(t *testing.T) {
 	srv := redistest.Start(t)
 	px := faultproxy.Start(t, srv.Addr())
-	lim := newLimiter(t, Config{Redis: clients(t, px.Addr(), 1)[0], Limit: Limit{Rate: 10.0 / 3600, Burst: 10},
-		Instances: 1, Heartbeat: -1, Timeout: 20 * time.Millisecond, Breaker: BreakerConfig{Failures: 100}})
+	limit := Limit{Rate: 10.0 / 3600, Burst: 10}
+	lim := newLimiter(t, Config{Redis: clients(t, px.Addr(), 1)[0], Limit: limit,
+		Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond, Breaker: BreakerConfig{Failures: 100}})
 	ctx := context.Background()
 	if d, err := lim.AllowN(ctx, "k", 4); err != nil || !d.Allowed || d.Mode != ModeRemote {
 		t.Fatalf("AllowN(4) = %+v, %v; want allowed by Redis", d, err)
 	}
-	px.SetDelay(60 * time.Millisecond)
+	px.SetDelay(150 * time.Millisecond)
 	for i := range 3 {
 		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed || d.Mode != ModeLocal {
 			t.Fatalf("timed-out Allow %d = %+v, %v; want allowed locally", i, d, err)
@@ -248,10 +249,26 @@ func TestTimeoutsAreCharged(t *testing.T) {
 	}
 	px.SetDelay(0)
 	// Redis runs the three late calls (3 left), and the three local
-	// admissions are charged (0 left).
-	time.Sleep(reconcileAfter + 300*time.Millisecond)
-	if d, err := lim.Allow(ctx, "k"); err != nil || d.Allowed || d.Mode != ModeRemote {
-		t.Errorf("Allow after the time-outs = %+v, %v; want denied by Redis: 4 + 3 late + 3 local spent", d, err)
+	// admissions are charged (0 left). An onlooker with a budget no busy
+	// machine overruns reads the bucket without spending; a charge that
+	// a busy machine delays goes again, so the onlooker reads until the
+	// bucket is empty or the charges have had ample time.
+	onlooker := newLimiter(t, Config{Redis: srv.Client(t), Limit: limit, Prefix: t.Name() + ":",
+		Instances: 1, Heartbeat: -1, Timeout: 2 * time.Second})
+	var st Status
+	for deadline := time.Now().Add(reconcileAfter + 3*time.Second); ; {
+		var err error
+		st, err = onlooker.Peek(ctx, "k")
+		if err != nil || st.Mode != ModeRemote {
+			t.Fatalf("Peek = %+v, %v; want Redis's bucket", st, err)
+		}
+		if st.Tokens < 1 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if st.Tokens >= 1 {
+		t.Errorf("bucket after the time-outs holds %.3f tokens; want < 1: 4 + 3 late + 3 local spent", st.Tokens)
 	}
 }
 
