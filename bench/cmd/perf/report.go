@@ -301,17 +301,40 @@ func (rep *report) targets() []target {
 		return "**MISS**"
 	}
 
-	for _, conc := range []int{64, 256} {
+	for _, c := range []string{"hybridlimit", "hybridlimit-ctx"} {
 		for _, p := range bench.Patterns {
-			name := fmt.Sprintf("hybridlimit ≥ 1.8 × redis_rate decisions/s, %d goroutines, %s", conc, p)
+			name := fmt.Sprintf("1 goroutine: %s ≥ 1.0 × redis_rate decisions/s, %s", c, p)
+			h, ok1 := med(c, 1, p, "dec/s")
+			r, ok2 := med("redis_rate", 1, p, "dec/s")
+			if !ok1 || !ok2 {
+				ts = append(ts, na(name, "≥ 1.00"))
+			} else {
+				ts = append(ts, target{name, thousands(h) + " vs " + thousands(r) + " dec/s",
+					fmt.Sprintf("%.2f", h/r), "≥ 1.00", judge(h/r >= 1)})
+			}
+			name = fmt.Sprintf("1 goroutine: %s p50 within 5 µs of redis_rate's, %s", c, p)
+			h, ok1 = med(c, 1, p, "p50-ns")
+			r, ok2 = med("redis_rate", 1, p, "p50-ns")
+			if !ok1 || !ok2 {
+				ts = append(ts, na(name, "≤ +5 µs"))
+			} else {
+				d := h - r
+				ts = append(ts, target{name, dur(h) + " vs " + dur(r), signedDur(d), "≤ +5 µs", judge(d <= 5000)})
+			}
+		}
+	}
+	for _, conc := range []int{64, 256} {
+		want := map[int]float64{64: 2.2, 256: 2.5}[conc]
+		for _, p := range bench.Patterns {
+			name := fmt.Sprintf("hybridlimit ≥ %.1f × redis_rate decisions/s, %d goroutines, %s", want, conc, p)
 			h, ok1 := med("hybridlimit", conc, p, "dec/s")
 			r, ok2 := med("redis_rate", conc, p, "dec/s")
 			if !ok1 || !ok2 {
-				ts = append(ts, na(name, "≥ 1.80"))
+				ts = append(ts, na(name, fmt.Sprintf("≥ %.2f", want)))
 				continue
 			}
 			ts = append(ts, target{name, thousands(h) + " vs " + thousands(r) + " dec/s",
-				fmt.Sprintf("%.2f", h/r), "≥ 1.80", judge(h/r >= 1.8)})
+				fmt.Sprintf("%.2f", h/r), fmt.Sprintf("≥ %.2f", want), judge(h/r >= want)})
 		}
 	}
 	for _, conc := range []int{64, 256} {
@@ -453,6 +476,14 @@ func thousands(v float64) string {
 		return "-" + b.String()
 	}
 	return b.String()
+}
+
+// signedDur is dur with a sign: +3.1 µs, -812 ns.
+func signedDur(ns float64) string {
+	if ns < 0 {
+		return "-" + dur(-ns)
+	}
+	return "+" + dur(ns)
 }
 
 // dur formats nanoseconds with three significant digits: 812 ns, 71.8 µs,
