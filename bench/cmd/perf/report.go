@@ -16,7 +16,7 @@ type report struct {
 	started, finished time.Time
 	machine           machine
 	loadAfter         string
-	raw, benchstat    string
+	raw               string
 	results           results
 	ceilings          []ceiling
 	memory            []bench.Memory
@@ -200,14 +200,36 @@ func (rep *report) markdown() string {
 		w("\n")
 	}
 
-	w("## benchstat\n\n")
-	w("`go tool benchstat -filter .name:Remote %s` (and `.name:Local`) over the %d passes; each\n",
-		strings.Join(quote(benchstatArgs), " "), rep.cfg.count)
-	w("column is compared with the first (hybridlimit). Units: sec/op is wall time over decisions;\n")
-	w("cpu-ns/op the benchmark process's CPU time per decision; srv-ns/op redis-server's; p50-ns and\n")
-	w("p99-ns the latency of one decision.\n\n")
-	w("```\n%s```\n\n", rep.benchstat)
-	w("<details><summary>Raw <code>go test</code> output</summary>\n\n```\n%s```\n\n</details>\n", rep.raw)
+	w("## Raw output, first pass\n\n")
+	w("hybridlimit's and redis_rate's `go test` lines at 1, 64 and 256 goroutines, as the first of\n")
+	w("the %d passes printed them. `-raw FILE` keeps every pass, and\n", rep.cfg.count)
+	w("`go tool benchstat -filter .name:Remote %s FILE` compares them with confidence intervals.\n\n",
+		strings.Join(quote(benchstatArgs), " "))
+	w("```\n%s```\n", excerpt(rep.raw))
+	return b.String()
+}
+
+// excerpt returns the first line of each of hybridlimit's and redis_rate's
+// remote benchmarks at 1, 64 and 256 goroutines: one screen of the raw
+// output, where the whole of it would take pages.
+func excerpt(raw string) string {
+	var b strings.Builder
+	seen := map[string]bool{}
+	for _, line := range strings.Split(raw, "\n") {
+		name, _, _ := strings.Cut(line, "\t")
+		name = strings.TrimSpace(name)
+		if seen[name] {
+			continue
+		}
+		for _, c := range []string{"hybridlimit", "hybridlimit-ctx", "redis_rate"} {
+			for _, conc := range []string{"1", "64", "256"} {
+				if strings.HasPrefix(name, "BenchmarkRemote/contender="+c+"/conc="+conc+"/") {
+					seen[name] = true
+					b.WriteString(line + "\n")
+				}
+			}
+		}
+	}
 	return b.String()
 }
 
