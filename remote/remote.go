@@ -152,7 +152,7 @@ func (p *Pipe) release(c *call) {
 // fewer than inflight batches (DefaultInFlight if inflight < 1) are in
 // flight, and sends each batch from a goroutine of its own. A call alone on
 // an idle pipe goes to a sender goroutine, which then waits for the next
-// such call; at most inflight senders wait. A batch counts as in flight
+// such call; at most one sender waits. A batch counts as in flight
 // until it is answered or every caller in it has given up: a batch stuck on
 // a hung connection, which go-redis may wait on for its whole ReadTimeout,
 // does not hold back the next one. Close stops the dispatcher and the
@@ -439,16 +439,18 @@ func (p *Pipe) send(batch []*call, f *flight) {
 }
 
 // sender sends c, a call alone, then parks on p.lone for the next one,
-// unless as many senders as the pipe has slots are parked already (more
-// could never be used at once), until Close. A sender stuck on a hung
-// connection keeps its call's slot only until the caller gives up; the
-// next lone call then starts a sender of its own. It requires a slot
-// taken and p.wg counted for c, and p.wg counted for the sender.
+// unless another sender is parked already, until Close: one is enough for
+// a caller that decides one key after another, and a parked goroutine
+// keeps its stack, which a process of thousands of idle Limiters would
+// multiply. A sender stuck on a hung connection keeps its call's slot
+// only until the caller gives up; the next lone call then starts a sender
+// of its own. It requires a slot taken and p.wg counted for c, and p.wg
+// counted for the sender.
 func (p *Pipe) sender(c *call) {
 	defer p.wg.Done()
 	for {
 		p.send(c.one[:], &c.own)
-		if p.parked.Add(1) > int32(cap(p.slots)) {
+		if p.parked.Add(1) > 1 {
 			p.parked.Add(-1)
 			return
 		}
