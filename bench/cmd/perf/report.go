@@ -153,9 +153,9 @@ func (rep *report) markdown() string {
 	})
 
 	w("## Goroutines started per decision\n\n")
-	w("From the runtime's count of goroutines created. Where a client starts a goroutine for each\n")
-	w("batch it sends (hybridlimit's Pipe did when this harness was written), this is one over its\n")
-	w("mean batch size.\n\n")
+	w("From the runtime's count of goroutines created. hybridlimit's Pipe starts one for each\n")
+	w("pipelined batch, so this is about one over its mean batch size; a decision sent alone on a\n")
+	w("default client goes to a sender goroutine that the Pipe keeps parked between them.\n\n")
 	rep.grid(w, remoteNames, func(id benchID) string {
 		v, ok := rep.results.median(id, "goroutines/op")
 		if !ok {
