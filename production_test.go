@@ -13,6 +13,8 @@ import (
 	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/internal/faultproxy"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/lua"
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // The conditions of this file are those every production deployment meets
@@ -424,5 +426,60 @@ func TestRefundKeepsOffAnOpenBreaker(t *testing.T) {
 	}
 	if n := m.CommandCount() - before; n != 0 {
 		t.Errorf("Redis got %d commands from a Refund while the breaker was open; want none", n)
+	}
+}
+
+// takeCounter counts the token-bucket scripts a client sends, alone or in
+// pipelines.
+type takeCounter struct{ takes atomic.Int64 }
+
+func isTake(cmd redis.Cmder) bool {
+	args := cmd.Args()
+	if len(args) < 2 {
+		return false
+	}
+	s, _ := args[1].(string)
+	return s == remote.Hash() || s == lua.TokenBucket
+}
+
+func (h *takeCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *takeCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if isTake(cmd) {
+			h.takes.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h *takeCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return func(ctx context.Context, cmds []redis.Cmder) error {
+		for _, cmd := range cmds {
+			if isTake(cmd) {
+				h.takes.Add(1)
+			}
+		}
+		return next(ctx, cmds)
+	}
+}
+
+// TestDecisionsRunLaterHooks: a hook added to the client after New (a
+// user's tracing, say) sees every decision, including those sent alone
+// from the caller's goroutine on a default client.
+func TestDecisionsRunLaterHooks(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1000), Instances: 1, Heartbeat: -1})
+	var hook takeCounter
+	c.AddHook(&hook)
+	const n = 20
+	for i := range n {
+		if d, err := lim.Allow(context.Background(), "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("Allow %d = %+v, %v; want remote", i, d, err)
+		}
+	}
+	if got := hook.takes.Load(); got != n {
+		t.Errorf("the hook added after New saw %d of %d decisions; want all", got, n)
 	}
 }

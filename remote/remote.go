@@ -71,6 +71,11 @@ type Pipe struct {
 	c      redis.UniversalClient
 	inline bool // c bounds reads by the context's deadline: a lone call may run on its caller
 	calls  chan *call
+	// lone hands a call sent alone to a sender goroutine parked on it, if
+	// one is: waking a goroutine is cheaper than starting one, which also
+	// has to grow its stack to go-redis's depth.
+	lone   chan *call
+	parked atomic.Int32  // sender goroutines parked on lone, or about to be
 	slots  chan struct{} // one token per batch in flight that a caller still waits for
 	done   chan struct{}
 	boxed  atomic.Pointer[boxed]
@@ -82,7 +87,7 @@ type Pipe struct {
 
 	mu     sync.RWMutex   // protects closed, and wg.Add against Close's wg.Wait
 	closed bool           // Close has begun
-	wg     sync.WaitGroup // the dispatcher, every batch's goroutine, every inline call
+	wg     sync.WaitGroup // the dispatcher, every batch's goroutine and sender, every inline call
 }
 
 // call is one decision in flight. The worker fills res and err, then sends
@@ -145,11 +150,14 @@ func (p *Pipe) release(c *call) {
 //
 // A dispatcher goroutine takes the waiting calls as one batch whenever
 // fewer than inflight batches (DefaultInFlight if inflight < 1) are in
-// flight, and sends each batch from a goroutine of its own. A batch counts
-// as in flight until it is answered or every caller in it has given up:
-// a batch stuck on a hung connection, which go-redis may wait on for its
-// whole ReadTimeout, does not hold back the next one. Close stops the
-// dispatcher and waits for it and for every batch's goroutine to return.
+// flight, and sends each batch from a goroutine of its own. A call alone on
+// an idle pipe goes to a sender goroutine, which then waits for the next
+// such call; at most one sender waits. A batch counts as in flight
+// until it is answered or every caller in it has given up: a batch stuck on
+// a hung connection, which go-redis may wait on for its whole ReadTimeout,
+// does not hold back the next one. Close stops the dispatcher and the
+// waiting senders, and waits for them and for every batch's goroutine to
+// return.
 func NewPipe(c redis.UniversalClient, inflight int) *Pipe {
 	if inflight < 1 {
 		inflight = DefaultInFlight
@@ -158,6 +166,7 @@ func NewPipe(c redis.UniversalClient, inflight int) *Pipe {
 		c:      c,
 		inline: boundsReads(c),
 		calls:  make(chan *call, MaxBatch*inflight),
+		lone:   make(chan *call),
 		slots:  make(chan struct{}, inflight),
 		done:   make(chan struct{}),
 	}
@@ -298,7 +307,15 @@ func (p *Pipe) doCall(c *call) (res Result, answered bool, err error) {
 				return c.res, true, c.err
 			}
 			c.alone = &c.own
-			go p.send(c.one[:], &c.own)
+			select {
+			case p.lone <- c:
+			default:
+				// Every sender is busy, or none was started yet: the
+				// call's count in p.wg keeps Close waiting, so the
+				// sender's own can be added.
+				p.wg.Add(1)
+				go p.sender(c)
+			}
 			return p.await(c)
 		default:
 		}
@@ -419,6 +436,32 @@ func (p *Pipe) send(batch []*call, f *flight) {
 		}
 	}
 	p.run(batch, f)
+}
+
+// sender sends c, a call alone, then parks on p.lone for the next one,
+// unless another sender is parked already, until Close: one is enough for
+// a caller that decides one key after another, and a parked goroutine
+// keeps its stack, which a process of thousands of idle Limiters would
+// multiply. A sender stuck on a hung connection keeps its call's slot
+// only until the caller gives up; the next lone call then starts a sender
+// of its own. It requires a slot taken and p.wg counted for c, and p.wg
+// counted for the sender.
+func (p *Pipe) sender(c *call) {
+	defer p.wg.Done()
+	for {
+		p.send(c.one[:], &c.own)
+		if p.parked.Add(1) > 1 {
+			p.parked.Add(-1)
+			return
+		}
+		select {
+		case c = <-p.lone:
+			p.parked.Add(-1)
+		case <-p.done:
+			p.parked.Add(-1)
+			return
+		}
+	}
 }
 
 // lastDeadline returns the latest deadline of the calls in batch; ok is

@@ -3,6 +3,7 @@ package remote
 import (
 	"context"
 	"errors"
+	"runtime/metrics"
 	"strconv"
 	"strings"
 	"sync"
@@ -499,6 +500,47 @@ func TestInline(t *testing.T) {
 	if allowed.Load() != 100 {
 		t.Errorf("allowed %d of 300 on a bucket of 100; want 100", allowed.Load())
 	}
+}
+
+// TestLoneSenders: on a client that does not bound reads by the context,
+// lone calls one after another are sent by a sender goroutine that waits
+// for the next rather than by a goroutine started for each, and Close
+// stops the waiting senders.
+func TestLoneSenders(t *testing.T) {
+	m := miniredis.RunT(t)
+	m.SetTime(t0)
+	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
+	defer c.Close()
+	p := NewPipe(c, 2)
+	lim := mustLimit(t, 1000, 1000)
+	take := func() {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if _, err := p.Take(ctx, "k", lim, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	take()
+	const n = 50
+	before := goroutinesCreated()
+	for range n {
+		take()
+	}
+	if started := goroutinesCreated() - before; started > 2 {
+		t.Errorf("%d lone calls started %d goroutines; want at most 2", n, started)
+	}
+	p.Close()
+	if parked := p.parked.Load(); parked != 0 {
+		t.Errorf("%d senders still parked after Close; want 0", parked)
+	}
+}
+
+// goroutinesCreated returns how many goroutines this process has started.
+func goroutinesCreated() uint64 {
+	s := []metrics.Sample{{Name: "/sched/goroutines-created:goroutines"}}
+	metrics.Read(s)
+	return s[0].Value.Uint64()
 }
 
 func TestLease(t *testing.T) {

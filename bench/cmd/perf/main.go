@@ -1,6 +1,6 @@
 // Command perf runs hybridlimit's comparison benchmarks and writes
 // docs/performance.md: the Go benchmarks of package bench (several passes,
-// summarized by benchstat), redis-benchmark's ceiling for each limiter's
+// summarized by their medians), redis-benchmark's ceiling for each limiter's
 // script, and what each limiter's keys cost in Redis, all against one
 // redis-server that it starts on a free loopback port and stops.
 //
@@ -118,9 +118,6 @@ func run(ctx context.Context, cfg config) error {
 		return err
 	}
 	rep.results = parseBench(rep.raw)
-	if rep.benchstat, err = runBenchstat(dir, tmp, rep.raw); err != nil {
-		return err
-	}
 	if cfg.raw != "" {
 		if err := os.WriteFile(cfg.raw, []byte(rep.raw), 0o644); err != nil {
 			return err
@@ -201,38 +198,9 @@ func runBenchmarks(ctx context.Context, cfg config, bin, addr string) (string, e
 	return raw.String(), nil
 }
 
-// benchstatArgs are the projections of the report's benchstat tables: a
+// benchstatArgs are the projections the report suggests for benchstat: a
 // column per contender, compared with the first.
 var benchstatArgs = []string{"-col", "/contender", "-row", "/conc@num /keys"}
-
-// runBenchstat runs benchstat on the raw output: the Redis benchmarks, then
-// the in-memory ones.
-func runBenchstat(dir, tmp, raw string) (string, error) {
-	file := filepath.Join(tmp, "bench.txt")
-	if err := os.WriteFile(file, []byte(raw), 0o644); err != nil {
-		return "", err
-	}
-	var all strings.Builder
-	for _, name := range []string{"Remote", "Local"} {
-		if !strings.Contains(raw, "Benchmark"+name+"/") {
-			continue
-		}
-		args := append([]string{"tool", "benchstat", "-filter", ".name:" + name}, benchstatArgs...)
-		cmd := exec.Command("go", append(args, file)...)
-		cmd.Dir = dir
-		var out, errOut bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &errOut
-		if err := cmd.Run(); err != nil {
-			return "", fmt.Errorf("benchstat: %w\n%s", err, errOut.String())
-		}
-		fmt.Fprintf(&all, "Benchmark%s\n\n%s", name, strings.ReplaceAll(out.String(), file, "bench.txt"))
-		if errOut.Len() > 0 {
-			all.WriteString("\n" + errOut.String())
-		}
-		all.WriteString("\n")
-	}
-	return all.String(), nil
-}
 
 // ceiling is one redis-benchmark run of a limiter's script.
 type ceiling struct {
