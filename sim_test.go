@@ -1,5 +1,3 @@
-//go:build simulation
-
 package hybridlimit
 
 import (
@@ -38,7 +36,7 @@ import (
 // records every decision and checks the invariants of docs/design.md,
 // "Invariants the simulator checks", each under its own name.
 var (
-	simSeeds = flag.Int("sim.seeds", 300, "simulator: seeds to run (from -sim.first); 2000 is the long run")
+	simSeeds = flag.Int("sim.seeds", 100, "simulator: seeds to run (from -sim.first); 2000 is the long run")
 	simFirst = flag.Uint64("sim.first", 1, "simulator: first seed")
 	simSeed  = flag.Int64("sim.seed", -1, "simulator: replay this one seed, shrink it, print its schedule and decisions")
 	simChild = flag.Bool("sim.child", false, "simulator: run the seeds here, one at a time, and print each one's result (for TestSim's own processes)")
