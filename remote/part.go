@@ -1,0 +1,162 @@
+package remote
+
+import "math/bits"
+
+// partRing bounds the finished windows a Part remembers, partRing-1: the
+// fleet's view is read from a window three or four behind Redis's, and a
+// share needs that window and the one before.
+const partRing = 8
+
+// Part is this instance's part of one key's consumption, per window of
+// Redis TIME (window e covers [e×every, (e+1)×every) microseconds), from
+// the answers to its own calls on the key: each says what the bucket held
+// after the call (Level) and when (Now), and the instance knows what it
+// took itself.
+//
+// Between two answers a and b (in Redis's order) the bucket gained at most
+// Q units a microsecond and lost what every instance took, so all
+// instances together took at most
+//
+//	g = Level_a + Q×(Now_b − Now_a) − Level_b
+//
+// in (Now_a, Now_b]: exactly that if the bucket never reached its burst in
+// between, more if it did (the refill lost at the cap is counted as taken).
+// A window's room is the sum of g over the answers from the last one
+// before the window to the first one after it, an upper bound of what the
+// whole fleet took in the window; own is what this instance took in it
+// (less what it refunded). own/room is then at most this instance's true
+// part of the window's consumption, however few answers it saw: few only
+// make room larger. Every instance's part of window e is at most its true
+// part of the same consumption, so the parts of all instances add up to
+// at most 1, by construction (docs/design.md, per-key shares).
+//
+// Three things add tokens other than the refill and break the bound:
+// another instance's Refund (by at most the tokens refunded in the
+// window's first and last gaps), Reset, and a Redis that lost the key.
+// When an answer shows the bucket gained more than the refill allows
+// (g below what this instance took), Part starts again: the windows so
+// far have no part.
+//
+// A Part is about 80 bytes. Its zero value is an empty Part. It is not
+// safe for concurrent use: its owner serializes calls.
+type Part struct {
+	t, level  int64 // the latest answer: Redis TIME (µs) and level (units); t is 0 before any
+	q, p      int64 // the limit those units are in
+	cur       int64 // the window own and room count
+	own, room int64 // units this instance took in window cur; the fleet's at most
+	bounded   bool  // an answer before window cur bounds its start
+	// near has bit e%partRing set when finished window e had an answer
+	// leaving the bucket near empty (less than a window's refill, or half
+	// the burst if that is less): a key used near its limit.
+	near  uint8
+	parts [partRing]uint16 // finished windows cur-partRing+1..cur-1 at e%partRing: 0 none, else 1 + part×partScale
+}
+
+// partScale is the resolution of a stored part: parts are rounded down, so
+// a stored part is never more than the part measured.
+const partScale = 65534
+
+// Add records the answer to one of this instance's calls on the key, made
+// under lim: at Redis time now (µs) the bucket held level units after the
+// call, which took took units (negative for a refund, 0 for a denial).
+// every is the window's length in microseconds (at least 1).
+func (pt *Part) Add(lim Limit, every, now, level, took int64) {
+	if pt.t == 0 || lim.Q != pt.q || lim.P != pt.p || now <= 0 {
+		pt.restart(lim, every, now, level, took)
+		return
+	}
+	e := now / every
+	if now < pt.t {
+		// An answer that arrived after a later one: what it took was in
+		// the gaps counted already, so it counts if its window still does.
+		if e == pt.cur {
+			pt.own += took
+		}
+		return
+	}
+	g, ok := gain(lim.Q, now-pt.t, pt.level, level)
+	if !ok || g < took || e-pt.cur >= partRing {
+		// The bucket gained more than its refill (a Reset, a Refund by
+		// another instance, a Redis that lost the key), or the answers
+		// are too far apart to bound anything: start again.
+		pt.restart(lim, every, now, level, took)
+		return
+	}
+	pt.room = satAdd(pt.room, g)
+	if e != pt.cur {
+		// The gap straddles the end of window cur, and bounds it; it also
+		// bounds the start of window e, so it counts in both.
+		pt.finish(e)
+		pt.room, pt.own, pt.bounded = g, 0, true
+	}
+	pt.own += took
+	pt.t, pt.level = now, level
+	if level < nearEmpty(lim, every) {
+		pt.near |= 1 << (pt.cur % partRing)
+	}
+}
+
+// restart forgets every window and starts counting at the answer's.
+func (pt *Part) restart(lim Limit, every, now, level, took int64) {
+	*pt = Part{t: now, level: level, q: lim.Q, p: lim.P, cur: now / max(every, 1), own: took}
+	if level < nearEmpty(lim, every) {
+		pt.near = 1 << (pt.cur % partRing)
+	}
+}
+
+// finish stores window cur's part and moves on to window e > cur: the
+// windows between had no answer, so no part.
+func (pt *Part) finish(e int64) {
+	for w := pt.cur; w < e && w < pt.cur+partRing; w++ {
+		pt.parts[w%partRing] = 0
+		if w != pt.cur {
+			pt.near &^= 1 << (w % partRing)
+		}
+	}
+	if pt.bounded && pt.room > 0 {
+		part := min(float64(max(pt.own, 0))/float64(pt.room), 1)
+		pt.parts[pt.cur%partRing] = 1 + uint16(part*partScale)
+	}
+	pt.near &^= 1 << (e % partRing)
+	pt.cur = e
+}
+
+// At returns this instance's part of the key's consumption in window e,
+// and whether the bucket was near empty in it. ok is false if there is no
+// part for e: the window has not ended, was not bounded by answers on
+// both sides, or is older than the Part remembers.
+func (pt *Part) At(e int64) (part float64, near, ok bool) {
+	if e >= pt.cur || e <= pt.cur-partRing || e < 0 {
+		return 0, false, false
+	}
+	v := pt.parts[e%partRing]
+	if v == 0 {
+		return 0, false, false
+	}
+	return float64(v-1) / partScale, pt.near&(1<<(e%partRing)) != 0, true
+}
+
+// nearEmpty returns the level under which the bucket counts as near empty:
+// less than a window's refill, or half the burst if that is less.
+func nearEmpty(lim Limit, every int64) int64 {
+	half := lim.Burst * lim.P / 2
+	hi, lo := bits.Mul64(uint64(lim.Q), uint64(every))
+	if hi != 0 || lo >= uint64(half) {
+		return half
+	}
+	return int64(lo)
+}
+
+// gain returns a + q×d − b, and false if it does not fit in an int64.
+func gain(q, d, a, b int64) (int64, bool) {
+	hi, lo := bits.Mul64(uint64(q), uint64(d))
+	if hi != 0 || lo > 1<<61 {
+		return 0, false
+	}
+	return a + int64(lo) - b, true // |a|, |b| < 2^54
+}
+
+// satAdd returns a+b, at most 1<<62.
+func satAdd(a, b int64) int64 {
+	return min(a+b, 1<<62) // a <= 1<<62 and b < 1<<62 do not overflow
+}
