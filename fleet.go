@@ -511,3 +511,24 @@ func weigh(h remote.Heartbeat, mine int64, prev *fleet) *fleet {
 	}
 	return v
 }
+
+// keyWeight returns this instance's part of key's limit while Redis is
+// away, given its view v: its part of the key's consumption in the window
+// v was read from and the one before (the lesser of the two), if it has
+// one for both and either the key was used near its limit or that part is
+// more than the instance's weight; otherwise the instance's weight. So an
+// instance that served all of a key holds nearly all of it, one that
+// served a third of a busy key a third whatever its other keys weigh, and
+// one that never saw the key its weight. The parts of all instances that
+// hold one add up to at most 1; with the weights of the others the sum is
+// at most 1 plus the lesser of the two (docs/design.md, per-key shares).
+func (lim *Limiter) keyWeight(key string, v *fleet) float64 {
+	if v.window == 0 || lim.heart == nil || lim.cfg.noKeyShares {
+		return v.weight
+	}
+	part, near, ok := lim.shares.Part(key, v.window)
+	if ok && (near || part > v.weight) {
+		return part
+	}
+	return v.weight
+}

@@ -2,16 +2,23 @@ package remote
 
 import "math/bits"
 
-// partRing bounds the finished windows a Part remembers, partRing-1: the
-// fleet's view is read from a window three or four behind Redis's, and a
-// share needs that window and the one before.
-const partRing = 8
+// Windows. A part is measured over a span of spanWindows windows: the
+// answers that bound a span's start and end count in the spans on both
+// sides (see Part), so a longer span loses less to them (two gaps between
+// answers in four windows, not in one). partRing bounds the spans a Part
+// remembers, partRing-1 (by their last window): the fleet's view is read
+// from a window three or four behind Redis's, and a share needs that
+// window's span and the one before.
+const (
+	spanWindows = 4
+	partRing    = 8
+)
 
-// Part is this instance's part of one key's consumption, per window of
-// Redis TIME (window e covers [e×every, (e+1)×every) microseconds), from
-// the answers to its own calls on the key: each says what the bucket held
-// after the call (Level) and when (Now), and the instance knows what it
-// took itself.
+// Part is this instance's part of one key's consumption, over spans of
+// Redis TIME (window e covers [e×every, (e+1)×every) microseconds; span e
+// the spanWindows windows that end with window e), from the answers to its
+// own calls on the key: each says what the bucket held after the call
+// (Level) and when (Now), and the instance knows what it took itself.
 //
 // Between two answers a and b (in Redis's order) the bucket gained at most
 // Q units a microsecond and lost what every instance took, so all
@@ -21,35 +28,38 @@ const partRing = 8
 //
 // in (Now_a, Now_b]: exactly that if the bucket never reached its burst in
 // between, more if it did (the refill lost at the cap is counted as taken).
-// A window's room is the sum of g over the answers from the last one
-// before the window to the first one after it, an upper bound of what the
-// whole fleet took in the window; own is what this instance took in it
-// (less what it refunded). own/room is then at most this instance's true
-// part of the window's consumption, however few answers it saw: few only
-// make room larger. Every instance's part of window e is at most its true
-// part of the same consumption, so the parts of all instances add up to
-// at most 1, by construction (docs/design.md, per-key shares).
+// A span's room is the sum of g over the gaps from the last answer before
+// the span to the first one after it, an upper bound of what the whole
+// fleet took in the span; own is what this instance took in it (less what
+// it refunded). own/room is then at most this instance's true part of the
+// span's consumption, however few answers it saw: few only make room
+// larger. Every instance's part of span e is at most its true part of the
+// same consumption, so the parts of all instances add up to at most 1, by
+// construction (docs/design.md, per-key shares).
 //
 // Three things add tokens other than the refill and break the bound:
-// another instance's Refund (by at most the tokens refunded in the
-// window's first and last gaps), Reset, and a Redis that lost the key.
-// When an answer shows the bucket gained more than the refill allows
-// (g below what this instance took), Part starts again: the windows so
-// far have no part.
+// another instance's Refund (by at most the tokens refunded in the span's
+// first and last gaps), Reset, and a Redis that lost the key. When an
+// answer shows the bucket gained more than the refill allows (g below
+// what this instance took), Part starts again: the spans so far have no
+// part.
 //
-// A Part is about 80 bytes. Its zero value is an empty Part. It is not
-// safe for concurrent use: its owner serializes calls.
+// A Part is 136 bytes. Its zero value is an empty Part. It is not safe for
+// concurrent use: its owner serializes calls.
 type Part struct {
-	t, level  int64 // the latest answer: Redis TIME (µs) and level (units); t is 0 before any
-	q, p      int64 // the limit those units are in
-	cur       int64 // the window own and room count
-	own, room int64 // units this instance took in window cur; the fleet's at most
-	bounded   bool  // an answer before window cur bounds its start
-	// near has bit e%partRing set when finished window e had an answer
-	// leaving the bucket near empty (less than a window's refill, or half
-	// the burst if that is less): a key used near its limit.
+	t, level int64 // the latest answer: Redis TIME (µs) and level (units); t is 0 before any
+	q, p     int64 // the limit those units are in
+	cur      int64 // the window of the latest answer
+	since    int64 // the first window whose start an answer before it bounds
+	// own and room are, for windows cur-spanWindows+1..cur at
+	// w%spanWindows, the units this instance took in window w and the
+	// sum of g over the gaps that end in it.
+	own, room [spanWindows]int64
+	// near has bit w%partRing set when window w had an answer leaving
+	// the bucket near empty (less than a window's refill, or half the
+	// burst if that is less): a key used near its limit.
 	near  uint8
-	parts [partRing]uint16 // finished windows cur-partRing+1..cur-1 at e%partRing: 0 none, else 1 + part×partScale
+	parts [partRing]uint16 // spans cur-partRing+1..cur-1 at e%partRing: 0 none, else 1 + part×partScale
 }
 
 // partScale is the resolution of a stored part: parts are rounded down, so
@@ -69,8 +79,8 @@ func (pt *Part) Add(lim Limit, every, now, level, took int64) {
 	if now < pt.t {
 		// An answer that arrived after a later one: what it took was in
 		// the gaps counted already, so it counts if its window still does.
-		if e == pt.cur {
-			pt.own += took
+		if e > pt.cur-spanWindows && e <= pt.cur {
+			pt.own[e%spanWindows] += took
 		}
 		return
 	}
@@ -82,49 +92,63 @@ func (pt *Part) Add(lim Limit, every, now, level, took int64) {
 		pt.restart(lim, every, now, level, took)
 		return
 	}
-	pt.room = satAdd(pt.room, g)
 	if e != pt.cur {
-		// The gap straddles the end of window cur, and bounds it; it also
-		// bounds the start of window e, so it counts in both.
-		pt.finish(e)
-		pt.room, pt.own, pt.bounded = g, 0, true
+		// The gap ends the spans of windows cur..e-1 and bounds them; it
+		// also ends in window e, so it counts there too.
+		pt.finish(e, g)
 	}
-	pt.own += took
+	i := e % spanWindows
+	pt.room[i] = satAdd(pt.room[i], g)
+	pt.own[i] += took
 	pt.t, pt.level = now, level
 	if level < nearEmpty(lim, every) {
-		pt.near |= 1 << (pt.cur % partRing)
+		pt.near |= 1 << (e % partRing)
 	}
 }
 
-// restart forgets every window and starts counting at the answer's.
+// restart forgets every span and starts counting at the answer's window.
 func (pt *Part) restart(lim Limit, every, now, level, took int64) {
-	*pt = Part{t: now, level: level, q: lim.Q, p: lim.P, cur: now / max(every, 1), own: took}
+	e := now / max(every, 1)
+	*pt = Part{t: now, level: level, q: lim.Q, p: lim.P, cur: e, since: e + 1}
+	pt.own[e%spanWindows] = took
 	if level < nearEmpty(lim, every) {
-		pt.near = 1 << (pt.cur % partRing)
+		pt.near = 1 << (e % partRing)
 	}
 }
 
-// finish stores window cur's part and moves on to window e > cur: the
-// windows between had no answer, so no part.
-func (pt *Part) finish(e int64) {
-	for w := pt.cur; w < e && w < pt.cur+partRing; w++ {
-		pt.parts[w%partRing] = 0
-		if w != pt.cur {
+// finish stores the parts of the spans of windows cur..e-1, which the gap
+// g ending in window e > cur closes, and moves on to window e.
+func (pt *Part) finish(e, g int64) {
+	for w := pt.cur; w < e; w++ {
+		if w > pt.cur { // no answer in w: its slots held window w-spanWindows
+			pt.own[w%spanWindows], pt.room[w%spanWindows] = 0, 0
 			pt.near &^= 1 << (w % partRing)
 		}
+		var own, room int64
+		for _, o := range pt.own {
+			own += o
+		}
+		for _, r := range pt.room {
+			room = satAdd(room, r)
+		}
+		room = satAdd(room, g)
+		pt.parts[w%partRing] = 0
+		if w-spanWindows+1 >= pt.since && room > 0 {
+			part := min(float64(max(own, 0))/float64(room), 1)
+			pt.parts[w%partRing] = 1 + uint16(part*partScale)
+		}
 	}
-	if pt.bounded && pt.room > 0 {
-		part := min(float64(max(pt.own, 0))/float64(pt.room), 1)
-		pt.parts[pt.cur%partRing] = 1 + uint16(part*partScale)
-	}
+	i := e % spanWindows
+	pt.own[i], pt.room[i] = 0, 0
 	pt.near &^= 1 << (e % partRing)
 	pt.cur = e
 }
 
-// At returns this instance's part of the key's consumption in window e,
-// and whether the bucket was near empty in it. ok is false if there is no
-// part for e: the window has not ended, was not bounded by answers on
-// both sides, or is older than the Part remembers.
+// At returns this instance's part of the key's consumption in span e (the
+// spanWindows windows that end with window e), and whether the bucket was
+// near empty in window e. ok is false if there is no part for e: the span
+// has not ended, was not bounded by answers on both sides, or is older
+// than the Part remembers.
 func (pt *Part) At(e int64) (part float64, near, ok bool) {
 	if e >= pt.cur || e <= pt.cur-partRing || e < 0 {
 		return 0, false, false
@@ -156,7 +180,7 @@ func gain(q, d, a, b int64) (int64, bool) {
 	return a + int64(lo) - b, true // |a|, |b| < 2^54
 }
 
-// satAdd returns a+b, at most 1<<62.
+// satAdd returns a+b, at most 1<<62; a and b are at most 1<<62.
 func satAdd(a, b int64) int64 {
-	return min(a+b, 1<<62) // a <= 1<<62 and b < 1<<62 do not overflow
+	return min(a+b, 1<<62)
 }
