@@ -227,6 +227,7 @@ func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
 	var counts [2][seconds]atomic.Int64
 	start := time.Now()
 	var deciders []loadgen.Decide
+	var lims []*Limiter
 	for range 3 {
 		cfg := Config{
 			Redis:       redis.NewClient(&redis.Options{Addr: srv.Addr()}),
@@ -239,7 +240,9 @@ func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
 		}
 		c := cfg.Redis.(*redis.Client)
 		t.Cleanup(func() { c.Close() })
-		decide := decider(newLimiter(t, cfg))
+		lim := newLimiter(t, cfg)
+		lims = append(lims, lim)
+		decide := decider(lim)
 		deciders = append(deciders, func(ctx context.Context, key string) (bool, string, error) {
 			ok, mode, err := decide(ctx, key)
 			if s := int(time.Since(start) / time.Second); ok && s < seconds {
@@ -271,6 +274,13 @@ func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
 		},
 		Events: []loadgen.Event{
 			{At: pauseAt, Do: func() { srv.Pause(t) }},
+			{At: pauseAt + time.Second, Do: func() {
+				for i, lim := range lims {
+					v := lim.view.Load()
+					t.Logf("instance %d in the outage: weight %.3f, share of A %.3f, of B %.3f",
+						i, v.weight, lim.keyWeight("A", v), lim.keyWeight("B", v))
+				}
+			}},
 			{At: resumeAt, Do: func() { srv.Resume(t); resumed = true }},
 		},
 	})

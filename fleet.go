@@ -23,6 +23,11 @@ type fleet struct {
 	size   int     // instances counted in the window read, this one included
 	window int64   // the window weight was read from; 0 before any
 	raw    float64 // the part that window alone gives
+	// even is the even part of a key's share, (evenPart-reservePart)/n
+	// for the larger n of window and the one before, if this instance
+	// was counted in both; 0 if not, and then it holds no per-key share.
+	even    float64
+	counted bool // this instance was counted in window
 }
 
 // Weighting. evenPart of every limit is split evenly rather than by
@@ -493,7 +498,11 @@ func weigh(h remote.Heartbeat, mine int64, prev *fleet) *fleet {
 	}
 	n := float64(h.Reporters)
 	v := &fleet{size: int(h.Reporters), window: m}
-	if mine >= 0 && mine <= h.Total {
+	v.counted = mine >= 0 && mine <= h.Total
+	if v.counted && prev.counted && prev.window == m-1 {
+		v.even = (evenPart - reservePart) / float64(max(prev.size, v.size))
+	}
+	if v.counted {
 		part := 1 / n
 		if h.Total > 0 {
 			part = float64(mine) / float64(h.Total)
@@ -513,22 +522,34 @@ func weigh(h remote.Heartbeat, mine int64, prev *fleet) *fleet {
 }
 
 // keyWeight returns this instance's part of key's limit while Redis is
-// away, given its view v: its part of the key's consumption in the window
-// v was read from and the one before (the lesser of the two), if it has
-// one for both and either the key was used near its limit or that part is
-// more than the instance's weight; otherwise the instance's weight. So an
-// instance that served all of a key holds nearly all of it, one that
-// served a third of a busy key a third whatever its other keys weigh, and
-// one that never saw the key its weight. The parts of all instances that
-// hold one add up to at most 1; with the weights of the others the sum is
+// away, given its view v. If the instance was counted in the two windows
+// of its view and has a part of the key's consumption in the spans that
+// end with them (the lesser of the two), its key share is that part
+// weighed as the weights weigh traffic:
+//
+//	(1-evenPart) × part + (evenPart-reservePart)/n
+//
+// and it holds that if the key was used near its limit or that is more
+// than its weight; otherwise it holds its weight. So an instance that
+// served all of a key holds nearly all of it, one that served a third of
+// a busy key about a third whatever its other keys weigh, one that lost
+// the race for a key's tokens still its even part, and one that never saw
+// the key its weight. The key shares of all instances that hold one add
+// up to at most 1 - reservePart; with the weights of the others the sum is
 // at most 1 plus the lesser of the two (docs/design.md, per-key shares).
 func (lim *Limiter) keyWeight(key string, v *fleet) float64 {
-	if v.window == 0 || lim.heart == nil || lim.cfg.noKeyShares {
+	if v.even == 0 || lim.heart == nil || lim.cfg.noKeyShares {
 		return v.weight
 	}
 	part, near, ok := lim.shares.Part(key, v.window)
-	if ok && (near || part > v.weight) {
-		return part
+	return keyShare(v.weight, (1-evenPart)*part+v.even, near, ok)
+}
+
+// keyShare is keyWeight's choice between an instance's weight and its
+// share of a key (ok: it has one; near: the key was used near its limit).
+func keyShare(weight, share float64, near, ok bool) float64 {
+	if ok && (near || share > weight) {
+		return share
 	}
-	return v.weight
+	return weight
 }
