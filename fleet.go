@@ -522,23 +522,25 @@ func weigh(h remote.Heartbeat, mine int64, prev *fleet) *fleet {
 }
 
 // keyWeight returns this instance's part of key's limit while Redis is
-// away, given its view v. If the instance was counted in the two windows
-// of its view and has a part of the key's consumption in the spans that
-// end with them (the lesser of the two), its key share is that part
-// weighed as the weights weigh traffic:
+// away, given its view v. If it has a part of the key's consumption in the
+// spans that end with the two windows of its view (the lesser of the two),
+// its key share is that part weighed as the weights weigh traffic:
 //
 //	(1-evenPart) × part + (evenPart-reservePart)/n
 //
-// and it holds that if the key was used near its limit or that is more
-// than its weight; otherwise it holds its weight. So an instance that
-// served all of a key holds nearly all of it, one that served a third of
-// a busy key about a third whatever its other keys weigh, one that lost
-// the race for a key's tokens still its even part, and one that never saw
-// the key its weight. The key shares of all instances that hold one add
-// up to at most 1 - reservePart; with the weights of the others the sum is
-// at most 1 plus the lesser of the two (docs/design.md, per-key shares).
+// where the even part is only for an instance counted in both windows (n
+// the larger of their reporters; see fleet.even). It holds that if the
+// key was used near its limit or that is more than its weight; otherwise
+// it holds its weight. So an instance that served all of a key holds
+// nearly all of it, one that served a third of a busy key about a third
+// whatever its other keys weigh (and whether or not its last heartbeats
+// were counted), one that lost the race for a key's tokens still its even
+// part, and one that never saw the key its weight. The key shares of all
+// instances that hold one add up to at most 1 - reservePart; with the
+// weights of the others the sum is at most 1 plus the lesser of the two
+// (docs/design.md, per-key shares).
 func (lim *Limiter) keyWeight(key string, v *fleet) float64 {
-	if v.even == 0 || lim.heart == nil || lim.cfg.noKeyShares {
+	if v.window == 0 || lim.heart == nil || lim.cfg.noKeyShares {
 		return v.weight
 	}
 	part, near, ok := lim.shares.Part(key, v.window)

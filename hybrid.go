@@ -12,7 +12,9 @@
 //   - FailLocal (the default) decides on this instance's share of the limit:
 //     a local golang.org/x/time/rate bucket per key holding its share of
 //     the rate and burst. The share is 1/Instances until the fleet's
-//     heartbeats say how many instances are live and how busy each is.
+//     heartbeats say how many instances are live and how busy each is;
+//     for a key used near its limit it is the part of that key this
+//     instance served, measured from Redis's answers.
 //     A key's local bucket starts from what Redis last said of the key, not
 //     full, and what it spent is charged to Redis when Redis is back;
 //   - FailOpen allows everything;

@@ -44,7 +44,7 @@ const (
 // what this instance took), Part starts again: the spans so far have no
 // part.
 //
-// A Part is 136 bytes. Its zero value is an empty Part. It is not safe for
+// A Part is 144 bytes. Its zero value is an empty Part. It is not safe for
 // concurrent use: its owner serializes calls.
 type Part struct {
 	t, level int64 // the latest answer: Redis TIME (µs) and level (units); t is 0 before any
@@ -55,12 +55,22 @@ type Part struct {
 	// w%spanWindows, the units this instance took in window w and the
 	// sum of g over the gaps that end in it.
 	own, room [spanWindows]int64
+	calls     [spanWindows]uint16 // the answers in window w, at most 65535
 	// near has bit w%partRing set when window w had an answer leaving
 	// the bucket near empty (less than a window's refill, or half the
 	// burst if that is less): a key used near its limit.
-	near  uint8
+	near uint8
+	// dense has bit e%partRing set when span e had at least denseCalls
+	// answers.
+	dense uint8
 	parts [partRing]uint16 // spans cur-partRing+1..cur-1 at e%partRing: 0 none, else 1 + part×partScale
 }
+
+// denseCalls is how many answers a span needs for its part to be close to
+// the true part: the gaps that straddle its ends, counted in the spans on
+// both sides, cost about two gaps' consumption of the span's, a tenth with
+// 20 answers evenly spread.
+const denseCalls = 20
 
 // partScale is the resolution of a stored part: parts are rounded down, so
 // a stored part is never more than the part measured.
@@ -100,6 +110,7 @@ func (pt *Part) Add(lim Limit, every, now, level, took int64) {
 	i := e % spanWindows
 	pt.room[i] = satAdd(pt.room[i], g)
 	pt.own[i] += took
+	pt.calls[i] = min(pt.calls[i], 65534) + 1
 	pt.t, pt.level = now, level
 	if level < nearEmpty(lim, every) {
 		pt.near |= 1 << (e % partRing)
@@ -111,6 +122,7 @@ func (pt *Part) restart(lim Limit, every, now, level, took int64) {
 	e := now / max(every, 1)
 	*pt = Part{t: now, level: level, q: lim.Q, p: lim.P, cur: e, since: e + 1}
 	pt.own[e%spanWindows] = took
+	pt.calls[e%spanWindows] = 1
 	if level < nearEmpty(lim, every) {
 		pt.near = 1 << (e % partRing)
 	}
@@ -121,12 +133,18 @@ func (pt *Part) restart(lim Limit, every, now, level, took int64) {
 func (pt *Part) finish(e, g int64) {
 	for w := pt.cur; w < e; w++ {
 		if w > pt.cur { // no answer in w: its slots held window w-spanWindows
-			pt.own[w%spanWindows], pt.room[w%spanWindows] = 0, 0
+			pt.own[w%spanWindows], pt.room[w%spanWindows], pt.calls[w%spanWindows] = 0, 0, 0
 			pt.near &^= 1 << (w % partRing)
 		}
 		var own, room int64
-		for _, o := range pt.own {
+		calls := 0
+		for j, o := range pt.own {
 			own += o
+			calls += int(pt.calls[j])
+		}
+		pt.dense &^= 1 << (w % partRing)
+		if calls >= denseCalls {
+			pt.dense |= 1 << (w % partRing)
 		}
 		for _, r := range pt.room {
 			room = satAdd(room, r)
@@ -139,14 +157,17 @@ func (pt *Part) finish(e, g int64) {
 		}
 	}
 	i := e % spanWindows
-	pt.own[i], pt.room[i] = 0, 0
+	pt.own[i], pt.room[i], pt.calls[i] = 0, 0, 0
 	pt.near &^= 1 << (e % partRing)
 	pt.cur = e
 }
 
 // At returns this instance's part of the key's consumption in span e (the
 // spanWindows windows that end with window e), and whether the bucket was
-// near empty in window e. ok is false if there is no part for e: the span
+// near empty in window e and the span had at least denseCalls answers
+// (near is false otherwise: a part from few answers is well below the
+// true one, and a key share should not replace a weight with it). ok is
+// false if there is no part for e: the span
 // has not ended, was not bounded by answers on both sides, or is older
 // than the Part remembers.
 func (pt *Part) At(e int64) (part float64, near, ok bool) {
@@ -157,7 +178,8 @@ func (pt *Part) At(e int64) (part float64, near, ok bool) {
 	if v == 0 {
 		return 0, false, false
 	}
-	return float64(v-1) / partScale, pt.near&(1<<(e%partRing)) != 0, true
+	bit := uint8(1) << (e % partRing)
+	return float64(v-1) / partScale, pt.near&pt.dense&bit != 0, true
 }
 
 // nearEmpty returns the level under which the bucket counts as near empty:
