@@ -70,6 +70,7 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 		}
 	}
 	var deciders []loadgen.Decide
+	var lims []*Limiter
 	for range n {
 		cfg := Config{
 			Redis:     redis.NewClient(&redis.Options{Addr: srv.Addr()}),
@@ -88,7 +89,9 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 		}
 		c := cfg.Redis.(*redis.Client)
 		t.Cleanup(func() { c.Close() })
-		deciders = append(deciders, decider(newLimiter(t, cfg)))
+		lim := newLimiter(t, cfg)
+		lims = append(lims, lim)
+		deciders = append(deciders, decider(lim))
 	}
 	resumed := false
 	t.Cleanup(func() {
@@ -104,11 +107,24 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 		Duration:  runFor,
 		Events: []loadgen.Event{
 			{At: pauseAt, Do: func() { srv.Pause(t) }},
+			{At: pauseAt + time.Second, Do: func() { logShares(t, lims, "k") }},
 			{At: resumeAt, Do: func() { srv.Resume(t); resumed = true }},
 		},
 	})
 	t.Logf("%v:\n%s", o, loadgen.Table(res.Seconds))
 	return res.Seconds
+}
+
+// logShares logs each instance's weight and its shares of keys.
+func logShares(t testing.TB, lims []*Limiter, keys ...string) {
+	for i, lim := range lims {
+		v := lim.view.Load()
+		var b strings.Builder
+		for _, k := range keys {
+			fmt.Fprintf(&b, ", share of %s %.3f", k, lim.keyWeight(k, v))
+		}
+		t.Logf("instance %d in the outage: weight %.3f%s", i, v.weight, b.String())
+	}
 }
 
 // decider is lim's Allow, for loadgen.
@@ -274,13 +290,7 @@ func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
 		},
 		Events: []loadgen.Event{
 			{At: pauseAt, Do: func() { srv.Pause(t) }},
-			{At: pauseAt + time.Second, Do: func() {
-				for i, lim := range lims {
-					v := lim.view.Load()
-					t.Logf("instance %d in the outage: weight %.3f, share of A %.3f, of B %.3f",
-						i, v.weight, lim.keyWeight("A", v), lim.keyWeight("B", v))
-				}
-			}},
+			{At: pauseAt + time.Second, Do: func() { logShares(t, lims, "A", "B") }},
 			{At: resumeAt, Do: func() { srv.Resume(t); resumed = true }},
 		},
 	})

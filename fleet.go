@@ -529,13 +529,13 @@ func weigh(h remote.Heartbeat, mine int64, prev *fleet) *fleet {
 //	(1-evenPart) × part + (evenPart-reservePart)/n
 //
 // where the even part is only for an instance counted in both windows (n
-// the larger of their reporters; see fleet.even). It holds that if the
-// key was used near its limit or that is more than its weight; otherwise
-// it holds its weight. So an instance that served all of a key holds
+// the larger of their reporters; see fleet.even). It holds that if it is
+// more than its weight, or, for a key used near its limit, less than
+// keyBand of it; otherwise it holds its weight. So an instance that served all of a key holds
 // nearly all of it, one that served a third of a busy key about a third
 // whatever its other keys weigh (and whether or not its last heartbeats
 // were counted), one that lost the race for a key's tokens still its even
-// part, and one that never saw the key its weight. The key shares of all
+// part, and one that never saw the key its weight (see keyShare). The key shares of all
 // instances that hold one add up to at most 1 - reservePart; with the
 // weights of the others the sum is at most 1 plus the lesser of the two
 // (docs/design.md, per-key shares).
@@ -549,9 +549,18 @@ func (lim *Limiter) keyWeight(key string, v *fleet) float64 {
 
 // keyShare is keyWeight's choice between an instance's weight and its
 // share of a key (ok: it has one; near: the key was used near its limit).
+// A key share replaces the weight where it says what the weight cannot:
+// that the instance served more of the key than its weight (sticky
+// routing), or, for a key near its limit, clearly less (its weight comes
+// from other keys). Within keyBand below the weight, the weight stays: a
+// key share is a lower bound, a few percent under the true part, and it
+// misses decisions that timed out and that Redis ran all the same.
 func keyShare(weight, share float64, near, ok bool) float64 {
-	if ok && (near || share > weight) {
+	if ok && (share > weight || near && share < keyBand*weight) {
 		return share
 	}
 	return weight
 }
+
+// keyBand: see keyShare.
+const keyBand = 0.8
