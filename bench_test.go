@@ -113,12 +113,12 @@ func TestLocalPathAllocs(t *testing.T) {
 	}
 }
 
-// BenchmarkRemote is one goroutine's decisions on Redis (a fresh
+// BenchmarkRemotePath is one goroutine's decisions on Redis (a fresh
 // redis-server), with the fleet heartbeat on: a hot key, and 10,000 keys
 // seen before. Each answer also counts for the instance's part of its key.
 //
-//	go test -run xxx -bench Remote -benchmem .
-func BenchmarkRemote(b *testing.B) {
+//	go test -run xxx -bench RemotePath -benchmem .
+func BenchmarkRemotePath(b *testing.B) {
 	srv := redistest.Start(b)
 	ctx := context.Background()
 	for _, nkeys := range []int{1, 10_000} {
