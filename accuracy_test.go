@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -69,6 +70,7 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 		}
 	}
 	var deciders []loadgen.Decide
+	var lims []*Limiter
 	for range n {
 		cfg := Config{
 			Redis:     redis.NewClient(&redis.Options{Addr: srv.Addr()}),
@@ -87,7 +89,9 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 		}
 		c := cfg.Redis.(*redis.Client)
 		t.Cleanup(func() { c.Close() })
-		deciders = append(deciders, decider(newLimiter(t, cfg)))
+		lim := newLimiter(t, cfg)
+		lims = append(lims, lim)
+		deciders = append(deciders, decider(lim))
 	}
 	resumed := false
 	t.Cleanup(func() {
@@ -103,11 +107,24 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 		Duration:  runFor,
 		Events: []loadgen.Event{
 			{At: pauseAt, Do: func() { srv.Pause(t) }},
+			{At: pauseAt + time.Second, Do: func() { logShares(t, lims, "k") }},
 			{At: resumeAt, Do: func() { srv.Resume(t); resumed = true }},
 		},
 	})
 	t.Logf("%v:\n%s", o, loadgen.Table(res.Seconds))
 	return res.Seconds
+}
+
+// logShares logs each instance's weight and its shares of keys.
+func logShares(t testing.TB, lims []*Limiter, keys ...string) {
+	for i, lim := range lims {
+		v := lim.view.Load()
+		var b strings.Builder
+		for _, k := range keys {
+			fmt.Fprintf(&b, ", share of %s %.3f", k, lim.keyWeight(k, v))
+		}
+		t.Logf("instance %d in the outage: weight %.3f%s", i, v.weight, b.String())
+	}
 }
 
 // decider is lim's Allow, for loadgen.
@@ -213,4 +230,91 @@ func BenchmarkAccuracyTable(b *testing.B) {
 			}
 		})
 	}
+}
+
+// runSticky runs the outage of runOutage on two keys at once: key A
+// offered 200/s, all of it on instance 0 (sticky routing), and key B
+// offered 200/s evenly over the three instances. It returns the allowed
+// decisions of each key per second.
+func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
+	t.Helper()
+	srv := redistest.Start(t)
+	const seconds = int(runFor / time.Second)
+	var counts [2][seconds]atomic.Int64
+	start := time.Now()
+	var deciders []loadgen.Decide
+	var lims []*Limiter
+	for range 3 {
+		cfg := Config{
+			Redis:       redis.NewClient(&redis.Options{Addr: srv.Addr()}),
+			Limit:       PerSecond(100),
+			Instances:   3,
+			Timeout:     50 * time.Millisecond,
+			Prefix:      "sticky:",
+			Heartbeat:   200 * time.Millisecond,
+			noKeyShares: noKeyShares,
+		}
+		c := cfg.Redis.(*redis.Client)
+		t.Cleanup(func() { c.Close() })
+		lim := newLimiter(t, cfg)
+		lims = append(lims, lim)
+		decide := decider(lim)
+		deciders = append(deciders, func(ctx context.Context, key string) (bool, string, error) {
+			ok, mode, err := decide(ctx, key)
+			if s := int(time.Since(start) / time.Second); ok && s < seconds {
+				counts[strings.Index("AB", key)][s].Add(1)
+			}
+			return ok, mode, err
+		})
+	}
+	resumed := false
+	t.Cleanup(func() {
+		if !resumed {
+			srv.Resume(t)
+		}
+	})
+	start = time.Now()
+	loadgen.Run(context.Background(), loadgen.Config{
+		Instances: deciders,
+		// Instance 0: 200/s of A and a third of B's 200/s; the others a
+		// third of B each.
+		Weights:  []float64{200 + 200.0/3, 200.0 / 3, 200.0 / 3},
+		Workers:  4,
+		Rate:     400,
+		Duration: runFor,
+		Key: func(instance, worker, i int) string {
+			if instance == 0 && i%4 != 0 {
+				return "A"
+			}
+			return "B"
+		},
+		Events: []loadgen.Event{
+			{At: pauseAt, Do: func() { srv.Pause(t) }},
+			{At: pauseAt + time.Second, Do: func() { logShares(t, lims, "A", "B") }},
+			{At: resumeAt, Do: func() { srv.Resume(t); resumed = true }},
+		},
+	})
+	for s := range seconds {
+		a = append(a, int(counts[0][s].Load()))
+		b = append(b, int(counts[1][s].Load()))
+	}
+	t.Logf("per-key shares off: %v\nkey A (sticky): %v\nkey B (even):   %v", noKeyShares, a, b)
+	return a, b
+}
+
+// TestKeyShares: with sticky routing, a key served by one instance of
+// three keeps at least 85% of its limit through an outage (its instance's
+// weight gave it about half), while a key spread evenly stays at 85-110%.
+func TestKeyShares(t *testing.T) {
+	a, b := runSticky(t, false)
+	check := func(secs []int, what string, lo, hi int) {
+		t.Helper()
+		for s := 2; s <= 4; s++ {
+			if secs[s] < lo || secs[s] > hi {
+				t.Errorf("%s: second %d admitted %d; want %d to %d", what, s, secs[s], lo, hi)
+			}
+		}
+	}
+	check(a, "key A, sticky to instance 0", 85, 110)
+	check(b, "key B, spread evenly", 85, 110)
 }

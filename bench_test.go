@@ -9,6 +9,8 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"golang.org/x/time/rate"
+
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
 )
 
 // openLimiter returns a Limiter whose only node's breaker is open for an
@@ -105,6 +107,54 @@ func TestLocalPathAllocs(t *testing.T) {
 	for lim.single.cb.State().String() != "open" {
 		lim.Allow(ctx, "warm")
 	}
+	lim.Allow(ctx, "k")
+	if n := testing.AllocsPerRun(1000, func() { lim.Allow(ctx, "k") }); n != 0 {
+		t.Errorf("a local decision allocates %v times; want 0", n)
+	}
+}
+
+// BenchmarkRemotePath is one goroutine's decisions on Redis (a fresh
+// redis-server), with the fleet heartbeat on: a hot key, and 10,000 keys
+// seen before. Each answer also counts for the instance's part of its key.
+//
+//	go test -run xxx -bench RemotePath -benchmem .
+func BenchmarkRemotePath(b *testing.B) {
+	srv := redistest.Start(b)
+	ctx := context.Background()
+	for _, nkeys := range []int{1, 10_000} {
+		b.Run("keys="+strconv.Itoa(nkeys), func(b *testing.B) {
+			c := redis.NewClient(&redis.Options{Addr: srv.Addr()})
+			b.Cleanup(func() { c.Close() })
+			lim := newLimiter(b, Config{Redis: c, Limit: PerSecond(1e9), Instances: 1, Prefix: b.Name() + ":"})
+			keys := benchKeys(nkeys)
+			for _, k := range keys {
+				lim.Allow(ctx, k)
+			}
+			i := 0
+			b.ReportAllocs()
+			for b.Loop() {
+				i++
+				if d, err := lim.Allow(ctx, keys[i%nkeys]); err != nil || d.Mode != ModeRemote {
+					b.Fatalf("Allow = %+v, %v; want a remote decision", d, err)
+				}
+			}
+		})
+	}
+}
+
+// TestKeySharePathAllocs: a local decision that looks up the key's part
+// allocates nothing.
+func TestKeySharePathAllocs(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	defer c.Close()
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Instances: 1,
+		Breaker: BreakerConfig{OpenFor: time.Hour}})
+	ctx := context.Background()
+	for lim.single.cb.State().String() != "open" {
+		lim.Allow(ctx, "warm")
+	}
+	lim.view.Store(&fleet{weight: 0.5, size: 2, window: 1_800_000_000, even: 0.045, counted: true})
+	lim.shares.Count(time.Now(), "k", lim.limit.Load().rl, 1_000_000, 1, 1, 0)
 	lim.Allow(ctx, "k")
 	if n := testing.AllocsPerRun(1000, func() { lim.Allow(ctx, "k") }); n != 0 {
 		t.Errorf("a local decision allocates %v times; want 0", n)

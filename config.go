@@ -188,8 +188,10 @@ type Config struct {
 	// noCache turns off answering denials from what Redis said; noHandoff
 	// stops recording what Redis said (so local buckets start full and no
 	// denial is cached); noReconcile stops charging Redis for local
-	// spending. The accuracy tests set them to measure each mechanism.
-	noCache, noHandoff, noReconcile bool
+	// spending; noKeyShares holds every key's local share at the
+	// instance's weight. The accuracy tests set them to measure each
+	// mechanism.
+	noCache, noHandoff, noReconcile, noKeyShares bool
 }
 
 // Errors returned by New and Limiter methods. Test for them with errors.Is.

@@ -486,3 +486,61 @@ func TestWeighSumsToAtMostOne(t *testing.T) {
 		}
 	}
 }
+
+// TestKeySharesSumToAtMostOnePlus: for random fleets (weights that add up
+// to at most 1, per-key parts that add up to at most 1, as
+// remote.TestPartsSumToAtMostOne checks they do, and any instance with or
+// without a part, near the limit or not), the shares held of one key add
+// up to at most 1 + min(A, W): A the parts of the instances that hold
+// their part, W the weights of those that hold their weight. A fleet where
+// every instance holds the same kind stays within 1, and one instance
+// holding all of a sticky key beside two that never saw it reaches the
+// bound.
+func TestKeySharesSumToAtMostOnePlus(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	split := func(n int, total float64) []float64 {
+		xs := make([]float64, n)
+		var sum float64
+		for i := range xs {
+			xs[i] = r.ExpFloat64()
+			sum += xs[i]
+		}
+		for i := range xs {
+			xs[i] *= total / sum
+		}
+		return xs
+	}
+	worst := 0.0
+	for trial := range 20000 {
+		n := 1 + r.IntN(40)
+		weights, parts := split(n, 1-r.Float64()*r.Float64()), split(n, 1-r.Float64()*r.Float64())
+		var sum, a, w float64
+		var byPart, byWeight int
+		for i := range n {
+			ok, near := r.IntN(3) > 0, r.IntN(2) == 0
+			s := keyShare(weights[i], parts[i], near, ok)
+			sum += s
+			if ok && s == parts[i] {
+				a += s
+				byPart++
+			} else {
+				w += s
+				byWeight++
+			}
+		}
+		bound := 1 + min(a, w)
+		if byPart == 0 || byWeight == 0 {
+			bound = 1
+		}
+		if sum > bound+1e-9 {
+			t.Fatalf("trial %d: %d instances: shares add up to %v; want at most %v (parts held %v, weights held %v)", trial, n, sum, bound, a, w)
+		}
+		worst = max(worst, sum-1)
+	}
+	t.Logf("largest excess over 1: %.3f", worst)
+	// Sticky: instance 0 took all of the key, the others never saw it.
+	sum := keyShare(0.53, 0.99, true, true) + keyShare(0.235, 0, false, false) + keyShare(0.235, 0, false, false)
+	if want := 0.99 + 0.47; math.Abs(sum-want) > 1e-9 {
+		t.Errorf("sticky key: shares add up to %v; want %v", sum, want)
+	}
+}

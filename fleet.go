@@ -23,6 +23,11 @@ type fleet struct {
 	size   int     // instances counted in the window read, this one included
 	window int64   // the window weight was read from; 0 before any
 	raw    float64 // the part that window alone gives
+	// even is the even part of a key's share, (evenPart-reservePart)/n
+	// for the larger n of window and the one before, if this instance
+	// was counted in both; 0 if not, and then it holds no per-key share.
+	even    float64
+	counted bool // this instance was counted in window
 }
 
 // Weighting. evenPart of every limit is split evenly rather than by
@@ -493,7 +498,11 @@ func weigh(h remote.Heartbeat, mine int64, prev *fleet) *fleet {
 	}
 	n := float64(h.Reporters)
 	v := &fleet{size: int(h.Reporters), window: m}
-	if mine >= 0 && mine <= h.Total {
+	v.counted = mine >= 0 && mine <= h.Total
+	if v.counted && prev.counted && prev.window == m-1 {
+		v.even = (evenPart - reservePart) / float64(max(prev.size, v.size))
+	}
+	if v.counted {
 		part := 1 / n
 		if h.Total > 0 {
 			part = float64(mine) / float64(h.Total)
@@ -511,3 +520,47 @@ func weigh(h remote.Heartbeat, mine int64, prev *fleet) *fleet {
 	}
 	return v
 }
+
+// keyWeight returns this instance's part of key's limit while Redis is
+// away, given its view v. If it has a part of the key's consumption in the
+// spans that end with the two windows of its view (the lesser of the two),
+// its key share is that part weighed as the weights weigh traffic:
+//
+//	(1-evenPart) × part + (evenPart-reservePart)/n
+//
+// where the even part is only for an instance counted in both windows (n
+// the larger of their reporters; see fleet.even). It holds that if it is
+// more than its weight, or, for a key used near its limit, less than
+// keyBand of it; otherwise it holds its weight. So an instance that served all of a key holds
+// nearly all of it, one that served a third of a busy key about a third
+// whatever its other keys weigh (and whether or not its last heartbeats
+// were counted), one that lost the race for a key's tokens still its even
+// part, and one that never saw the key its weight (see keyShare). The key shares of all
+// instances that hold one add up to at most 1 - reservePart; with the
+// weights of the others the sum is at most 1 plus the lesser of the two
+// (docs/design.md, per-key shares).
+func (lim *Limiter) keyWeight(key string, v *fleet) float64 {
+	if v.window == 0 || lim.heart == nil || lim.cfg.noKeyShares {
+		return v.weight
+	}
+	part, near, ok := lim.shares.Part(key, v.window)
+	return keyShare(v.weight, (1-evenPart)*part+v.even, near, ok)
+}
+
+// keyShare is keyWeight's choice between an instance's weight and its
+// share of a key (ok: it has one; near: the key was used near its limit).
+// A key share replaces the weight where it says what the weight cannot:
+// that the instance served more of the key than its weight (sticky
+// routing), or, for a key near its limit, clearly less (its weight comes
+// from other keys). Within keyBand below the weight, the weight stays: a
+// key share is a lower bound, a few percent under the true part, and it
+// misses decisions that timed out and that Redis ran all the same.
+func keyShare(weight, share float64, near, ok bool) float64 {
+	if ok && (share > weight || near && share < keyBand*weight) {
+		return share
+	}
+	return weight
+}
+
+// keyBand: see keyShare.
+const keyBand = 0.8

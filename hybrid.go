@@ -12,7 +12,9 @@
 //   - FailLocal (the default) decides on this instance's share of the limit:
 //     a local golang.org/x/time/rate bucket per key holding its share of
 //     the rate and burst. The share is 1/Instances until the fleet's
-//     heartbeats say how many instances are live and how busy each is.
+//     heartbeats say how many instances are live and how busy each is;
+//     for a key used near its limit it is the part of that key this
+//     instance served, measured from Redis's answers.
 //     A key's local bucket starts from what Redis last said of the key, not
 //     full, and what it spent is charged to Redis when Redis is back;
 //   - FailOpen allows everything;
@@ -594,7 +596,11 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		if res.Repaired {
 			lim.cfg.Logger.Warn("hybridlimit: replaced a foreign value with a full bucket", "key", rkey)
 		}
-		lim.observe(sent, key, rl, res)
+		took := int64(0)
+		if res.Allowed {
+			took = req.Units + res.Leased*rl.P
+		}
+		lim.observe(sent, key, rl, res, took)
 		*d = Decision{
 			Allowed:    res.Allowed,
 			Remaining:  max(res.Level, 0) / rl.P,
@@ -624,9 +630,13 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 }
 
 // observe records what Redis said of key at sent: res.Level units of 1/rl.P
-// token. The local bucket starts from it if Redis fails, and cached answers
-// denials from it.
-func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, res remote.Result) {
+// token, after a call that took took units (negative for a refund). The
+// local bucket starts from it if Redis fails, cached answers denials from
+// it, and it counts for this instance's part of the key (see keyWeight).
+func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, res remote.Result, took int64) {
+	if lim.heart != nil && !lim.cfg.noKeyShares {
+		lim.shares.Count(sent, key, rl, lim.heart.every.Microseconds(), res.Now, res.Level, took)
+	}
 	if lim.cfg.noHandoff {
 		return
 	}
@@ -705,7 +715,7 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, atMost b
 		*d = Decision{Mode: ModeFailClosed, RetryAfter: lim.untilProbe(nd)}
 		return
 	}
-	r, burst, capacity := lim.share(ls.Limit)
+	r, burst, capacity := lim.share(key, ls.Limit)
 	if atMost {
 		n = min(n, int64(burst))
 	}
@@ -757,13 +767,13 @@ func (lim *Limiter) untilProbe(nd *node) time.Duration {
 	return d
 }
 
-// share returns this instance's share of l: its rate, the burst of its
-// local bucket (at least 1, so that a token can be granted at all), and
-// its capacity, which may be a fraction of a token: the local bucket
-// starts from that, so that a fleet of many instances holding a small
-// burst does not grant a token at each instance at once.
-func (lim *Limiter) share(l Limit) (rate.Limit, int, float64) {
-	w := lim.view.Load().weight
+// share returns this instance's share of key's limit l: its rate, the
+// burst of its local bucket (at least 1, so that a token can be granted at
+// all), and its capacity, which may be a fraction of a token: the local
+// bucket starts from that, so that a fleet of many instances holding a
+// small burst does not grant a token at each instance at once.
+func (lim *Limiter) share(key string, l Limit) (rate.Limit, int, float64) {
+	w := lim.keyWeight(key, lim.view.Load())
 	capacity := float64(l.Burst) * w
 	return rate.Limit(l.Rate * w), int(max(int64(capacity), 1)), capacity
 }

@@ -95,7 +95,7 @@ func (lim *Limiter) Peek(ctx context.Context, key string) (Status, error) {
 		st.Mode = ModeFailClosed
 	default:
 		st.Mode = ModeLocal
-		r, burst, capacity := lim.share(ls.Limit)
+		r, burst, capacity := lim.share(key, ls.Limit)
 		if capacity > 0 {
 			st.Tokens = lim.shares.Peek(lim.cfg.now(), key, r, burst, capacity)
 			st.Remaining = int64(st.Tokens)
@@ -144,7 +144,7 @@ func (lim *Limiter) Reset(ctx context.Context, key string) error {
 	case err != nil:
 		return err
 	case o == answered:
-		lim.observe(sent, key, rl, res)
+		lim.observe(sent, key, rl, res, 0)
 		return nil
 	case o == unanswered:
 		return fmt.Errorf("%w: reset of %q sent but not answered within its time budget (Timeout %v); it may still be applied",

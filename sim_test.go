@@ -301,7 +301,8 @@ type record struct {
 	cached     bool // Decision.Cached: a denial from what Redis said less than a second ago
 	retry      time.Duration
 	err        error
-	weight     float64 // the instance's share, for local admissions
+	weight     float64 // the instance's share of the key, for local admissions
+	byPart     bool    // weight is a key share (docs/design.md, per-key shares), not the instance's weight
 	staleDeny  bool    // a remote denial that Redis's bucket would not give
 }
 
@@ -828,7 +829,7 @@ func (r *simRun) call(in *instance, i int, key string, n int64, dl time.Duration
 	rec.end = r.since()
 	rec.err, rec.allowed, rec.mode, rec.retry, rec.cached = err, d.Allowed, d.Mode, d.RetryAfter, d.Cached
 	if err == nil && d.Allowed && d.Mode == ModeLocal {
-		rec.weight = in.lim.Stats().Weight
+		rec.weight, rec.byPart = in.lim.simShare(key)
 	}
 	// A denial made at once (from what Redis said, or by a Redis with no
 	// latency) must be one that Redis's bucket would give now; a denial
@@ -877,7 +878,7 @@ func (r *simRun) waiter(ctx context.Context, i, w int, in *instance) {
 		err := in.lim.WaitN(wctx, "k0", n)
 		cancel()
 		rec.end, rec.err, rec.allowed = r.since(), err, err == nil
-		rec.weight = in.lim.Stats().Weight
+		rec.weight, rec.byPart = in.lim.simShare("k0")
 		r.mu.Lock()
 		r.recs = append(r.recs, rec)
 		r.mu.Unlock()
@@ -1073,6 +1074,15 @@ type admission struct {
 	inst   int
 	local  bool
 	weight float64
+	byPart bool
+}
+
+// simShare returns lim's share of key while Redis is away, and whether it
+// is a key share rather than the instance's weight.
+func (lim *Limiter) simShare(key string) (float64, bool) {
+	v := lim.view.Load()
+	w := lim.keyWeight(key, v)
+	return w, w != v.weight
 }
 
 func (r *simRun) admissions(key string) []admission {
@@ -1092,7 +1102,7 @@ func (r *simRun) admissions(key string) []admission {
 			// granted by the local share.
 			local = r.mayBeLocal(rec)
 		}
-		out = append(out, admission{rec.end, rec.n, rec.inst, local, rec.weight})
+		out = append(out, admission{rec.end, rec.n, rec.inst, local, rec.weight, rec.byPart})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].at < out[j].at })
 	return out
@@ -1173,27 +1183,35 @@ func (r *simRun) checkWindows(add func(string, string, ...any)) {
 			w := (b - a).Seconds()
 			base := rmax*w + float64(bmax)
 			var got int64
-			weights := map[int]float64{}
+			weights, parts := map[int]float64{}, map[int]float64{}
 			for _, x := range adm {
 				if x.at >= a && x.at < b {
 					got += x.n
-					if x.local {
+					switch {
+					case x.local && x.byPart:
+						parts[x.inst] = math.Max(parts[x.inst], x.weight)
+					case x.local:
 						weights[x.inst] = math.Max(weights[x.inst], x.weight)
 					}
 				}
 			}
-			sum := 0.0
+			sum, keyShares := 0.0, 0.0
 			for _, w := range weights {
 				sum += w
 			}
-			// The shares add up to at most the limit when Instances
-			// counts the fleet; a pod told fewer than there are holds
-			// 1/Instances before it hears from the fleet, and so may
-			// every other such pod.
-			allow := sum * base
-			if s.CfgInst >= s.Slots {
-				allow = math.Min(1, sum) * base
+			for _, w := range parts {
+				keyShares += w
 			}
+			// The weights add up to at most the limit when Instances
+			// counts the fleet (a pod told fewer than there are holds
+			// 1/Instances before it hears from the fleet, and so may
+			// every other such pod), and the key shares to at most the
+			// limit whatever it says.
+			allow := (sum + math.Min(1, keyShares)) * base
+			if s.CfgInst >= s.Slots {
+				allow = (math.Min(1, sum) + math.Min(1, keyShares)) * base
+			}
+			sum += keyShares
 			allow += float64(bmax) * float64(count(heals, a-time.Second, b))
 			allow += float64(bmax) * float64(count(losses, a-time.Second, b))
 			if float64(got) > base+allow+1e-9 {

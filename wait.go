@@ -174,7 +174,7 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 	// is not closed, so it never takes a probe's ticket.
 	if res, o := lim.call(ctx, nd, whenClosed, remote.Request{Key: rkey, Limit: rl, Units: rl.Units(-n)}); o == answered {
 		// What Redis says now supersedes what a cached denial would use.
-		lim.observe(sent, key, rl, res)
+		lim.observe(sent, key, rl, res, rl.Units(-n))
 	}
 	return nil
 }

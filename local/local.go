@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"golang.org/x/time/rate"
+
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // DefaultMaxKeys is the number of buckets New allows when maxKeys < 1.
@@ -97,6 +99,18 @@ type bucket struct {
 	tokens, rate, size float64
 	order              int64
 	seen               mono
+
+	// part is this instance's part of the key's consumption, from the
+	// answers Count recorded; nil before any. It is kept apart so that
+	// keys only decided locally do not pay for it.
+	part *remote.Part
+}
+
+// observed is a bucket and its part, allocated together for a key that
+// Redis answered first.
+type observed struct {
+	bucket
+	part remote.Part
 }
 
 // mono is a time as nanoseconds since the Shares' epoch, on the monotonic
@@ -245,11 +259,41 @@ func newLimiter(at time.Time, r rate.Limit, burst int, tokens float64) *rate.Lim
 func (s *Shares) Observe(at time.Time, redisTime int64, key string, tokens, rate, burst float64) {
 	sh := s.shard(key)
 	sh.mu.Lock()
-	b := sh.entry(at, key)
+	b := sh.entry(at, key, true)
 	if redisTime >= b.order || b.order-redisTime > 1e6 {
 		b.tokens, b.rate, b.size, b.seen, b.order = tokens, rate, burst, s.mono(at), redisTime
 	}
 	sh.mu.Unlock()
+}
+
+// Count records the answer to one of this instance's calls on key for its
+// part of the key's consumption: see remote.Part.Add, whose arguments
+// follow key. at is when the call was sent, as for Observe.
+func (s *Shares) Count(at time.Time, key string, lim remote.Limit, every, now, level, took int64) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	b := sh.entry(at, key, true)
+	if b.part == nil {
+		b.part = new(remote.Part) // the key had a local bucket first
+	}
+	b.part.Add(lim, every, now, level, took)
+	sh.mu.Unlock()
+}
+
+// Part returns this instance's part of key's consumption in windows e and
+// e-1, the lesser of the two, and whether the bucket was near empty in
+// either; ok is false if either has no part (see remote.Part.At).
+func (s *Shares) Part(key string, e int64) (part float64, near, ok bool) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	b := sh.m[key]
+	if b == nil || b.part == nil {
+		return 0, false, false
+	}
+	p1, n1, ok1 := b.part.At(e)
+	p0, n0, ok0 := b.part.At(e - 1)
+	return min(p0, p1), n0 || n1, ok0 && ok1
 }
 
 // Seen returns what Observe last recorded for key: the tokens Redis
@@ -470,7 +514,7 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int, capacit
 
 	b := sh.m[key]
 	if b == nil {
-		b = sh.entry(now, key)
+		b = sh.entry(now, key, false)
 	}
 	if b.lim != nil && b.seen != 0 && b.seen > b.seedAt {
 		// Redis said something newer than what the bucket started from:
@@ -511,15 +555,21 @@ func (s *Shares) spent(b *bucket, now time.Time) float64 {
 }
 
 // entry returns key's entry, creating an empty one (making room at now if
-// the shard is full) if there is none.
+// the shard is full) if there is none, with an empty part if withPart.
 // entry requires that sh.mu is held.
-func (sh *shard) entry(now time.Time, key string) *bucket {
+func (sh *shard) entry(now time.Time, key string, withPart bool) *bucket {
 	b := sh.m[key]
 	if b == nil {
 		if len(sh.m) >= sh.max {
 			sh.makeRoom(now)
 		}
-		b = new(bucket)
+		if withPart {
+			o := new(observed)
+			b = &o.bucket
+			b.part = &o.part
+		} else {
+			b = new(bucket)
+		}
 		sh.m[strings.Clone(key)] = b
 	}
 	return b
