@@ -285,6 +285,7 @@ type report struct {
 // the last to Close stops it and waits for its goroutine to return.
 type pacer struct {
 	c    redis.UniversalClient
+	node *remote.Node // what is known of the node of the heartbeats' keys
 	wake chan struct{} // a heart joined: the earliest step may be earlier
 	ctx  context.Context
 	stop context.CancelFunc
@@ -325,7 +326,8 @@ func join(h *heart) *pacer {
 		if pacers.by == nil {
 			pacers.by = make(map[redis.UniversalClient]*pacer)
 		}
-		p = &pacer{c: c, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: rand.Float64() * pacerSlots}
+		p = &pacer{c: c, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: rand.Float64() * pacerSlots,
+			node: &remote.Node{Name: "heartbeats", Log: h.lim.cfg.Logger, Now: h.lim.cfg.now}}
 		p.ctx, p.stop = context.WithCancel(context.Background())
 		pacers.by[c] = p
 		go p.run()
@@ -422,7 +424,7 @@ func (p *pacer) run() {
 		if len(beats) > 0 {
 			ctx, cancel := context.WithTimeout(p.ctx, every)
 			sent := time.Now()
-			remote.Beats(ctx, p.c, beats)
+			remote.Beats(ctx, p.c, p.node, beats)
 			got := time.Now()
 			cancel()
 			for i, h := range sending {

@@ -278,7 +278,7 @@ func (lim *Limiter) newNode(addr string, c *redis.Client) *node {
 	if c != nil {
 		via = c
 	}
-	nd := &node{addr: addr, pipe: remote.NewPipe(via, 0)}
+	nd := &node{addr: addr, pipe: remote.NewPipe(via, 0, &remote.Node{Name: addr, Log: lim.cfg.Logger, Now: lim.cfg.now})}
 	nd.cb = breaker.New(breaker.Settings{
 		Name:     addr,
 		Failures: uint32(b.Failures),
