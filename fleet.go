@@ -285,7 +285,7 @@ type report struct {
 // the last to Close stops it and waits for its goroutine to return.
 type pacer struct {
 	c    redis.UniversalClient
-	node *remote.Node // what is known of the node of the heartbeats' keys
+	node *remote.Node  // what is known of the node of the heartbeats' keys
 	wake chan struct{} // a heart joined: the earliest step may be earlier
 	ctx  context.Context
 	stop context.CancelFunc

@@ -51,6 +51,10 @@ func newLibrary(take, fleet string) lib {
 // loads, and its source.
 func Library() (name, src string) { return library.name, library.src }
 
+// Functions returns the names of the library's functions, which FCALL
+// calls: the token bucket's and the heartbeat's.
+func Functions() (take, fleet string) { return library.take, library.fleet }
+
 // Node is what the remote path has learned of one Redis node: whether it
 // runs functions, and whether its scripts may read TIME. Every kind of
 // call to the node (decisions, refunds, charges, peeks, resets, probes,
