@@ -158,12 +158,14 @@ func parseHeartbeat(reply any) (Heartbeat, error) {
 // every node has its own cache and its own functions, which its replicas
 // receive. A Redis without functions is no error.
 func Load(ctx context.Context, c redis.Cmdable) error {
-	for _, s := range []*script{takeScript, fleetScript} {
-		if err := c.ScriptLoad(ctx, s.src).Err(); err != nil {
+	pl := c.Pipeline()
+	scripts := []*redis.StringCmd{pl.ScriptLoad(ctx, takeScript.src), pl.ScriptLoad(ctx, fleetScript.src)}
+	_ = pl.FunctionLoad(ctx, library.src) // fails where there are no functions, or the library is there
+	_, _ = pl.Exec(ctx)
+	for _, s := range scripts {
+		if err := s.Err(); err != nil {
 			return err
 		}
 	}
-	var n Node
-	n.check(ctx, c)
 	return nil
 }

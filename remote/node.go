@@ -141,16 +141,23 @@ func (n *Node) refuseTime() {
 	}
 }
 
-// check loads the library through c, the node's own client, and records
-// whether the node runs functions: a reply that the library exists says
-// so as well as an OK, any other error reply says that it does not (an
-// unknown command, an ACL that forbids it). A network error leaves it
-// unknown, to be checked again.
+// check records whether the node runs functions, through c, the node's
+// own client: a library listed under its name says so, and one missing is
+// loaded (a reply that it exists, from a loader that came first, says so
+// as well as an OK). Any other error reply says that the node has no
+// functions (an unknown command, an ACL that forbids them). A network
+// error leaves it unknown, to be checked again.
 func (n *Node) check(ctx context.Context, c redis.Cmdable) {
-	err := c.FunctionLoad(ctx, library.src).Err()
+	libs, err := c.FunctionList(ctx, redis.FunctionListQuery{LibraryNamePattern: library.name}).Result()
+	if err == nil && len(libs) == 0 {
+		err = c.FunctionLoad(ctx, library.src).Err()
+		if err != nil && strings.Contains(err.Error(), "already exists") {
+			err = nil
+		}
+	}
 	var rerr redis.Error
 	switch {
-	case err == nil || strings.Contains(err.Error(), "already exists"):
+	case err == nil:
 		n.setFunctions(fnYes)
 	case errors.As(err, &rerr) && !IsFailure(err):
 		n.setFunctions(fnNo)
