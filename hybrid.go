@@ -799,6 +799,13 @@ func (lim *Limiter) warm() {
 			close(lim.tried)
 		}
 		if lim.mapped.Load() {
+			// go-redis reads the servers' command table (COMMAND) on the
+			// first command its Cluster client routes, tens of
+			// milliseconds under load: part of the first contact, not of
+			// the first decision's budget.
+			ctx, cancel := context.WithTimeout(lim.ctx, time.Second)
+			_ = lim.cluster.Ping(ctx).Err()
+			cancel()
 			if err != nil {
 				lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)
 			}
