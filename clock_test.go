@@ -82,9 +82,12 @@ func TestClockSkew(t *testing.T) {
 			}
 			// A token is due every 2 ms: a denial that says to wait much
 			// longer saw a bucket on a clock ahead of its own (a debt that
-			// is not there), and its instance waits for nothing.
-			if r := time.Duration(longest.Load()); r > 10*time.Millisecond {
-				t.Errorf("longest RetryAfter %v; want at most 10ms, five tokens' refill", r)
+			// is not there), and its instance waits for nothing. With
+			// Redis's clock passed in, the instances' clocks differ by the
+			// errors of their readings, half a round trip each: a few
+			// milliseconds on a loaded machine, not the 300 ms of skew.
+			if r := time.Duration(longest.Load()); r > 50*time.Millisecond {
+				t.Errorf("longest RetryAfter %v; want at most 50ms", r)
 			}
 			if other.Load() != 0 {
 				t.Errorf("%d decisions not made by Redis; want 0", other.Load())
