@@ -53,7 +53,7 @@
 -- checks cap against that bound.
 --
 -- The value is 22 bytes: a format byte (1), then the level, the time in
--- microseconds of Redis TIME (client clocks are never read) and p, each a
+-- microseconds of Redis TIME (or ARGV[7], Redis's clock read outside the script) and p, each a
 -- 7-byte big-endian unsigned integer; struct.pack('>BI7I7I7', 1, level,
 -- time, p) in Redis's Lua. p is kept so that a changed limit keeps the
 -- tokens. Binary because Redis's struct library reads and writes it in one

@@ -187,6 +187,9 @@ func missing(err error) bool {
 // refusedTime reports whether err is a script's refusal to run a command
 // (only TIME is in question: ElastiCache Serverless answers so to it).
 func refusedTime(err error) bool {
+	if err == nil {
+		return false
+	}
 	var rerr redis.Error
 	return errors.As(err, &rerr) && strings.Contains(rerr.Error(), "not allowed from script")
 }

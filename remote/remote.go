@@ -590,11 +590,24 @@ func (p *Pipe) evalCmd(ctx context.Context, v verb, now int64, c *call) noRetryC
 	if c.cost == c.lim.P {
 		cost = b.p // one token, the common case: boxed already
 	}
-	keys := 1
-	if c.mode == modeCharge && c.once != "" {
-		keys = 2
+	keys, extra := 1, 0 // keys, and the mode's arguments
+	switch c.mode {
+	case modeCharge:
+		extra = 1
+		if c.once != "" {
+			keys, extra = 2, 2
+		}
+	case modeLease, modeReserve:
+		extra = 2
+	case modePeek, modeReset:
+		extra = 1
 	}
-	args := make([]any, 0, 13)
+	size := 3 + keys + 4 + extra
+	if now != 0 {
+		size = 3 + keys + 7
+	}
+	// One allocation, of the size the call needs: NewCmd keeps the slice.
+	args := make([]any, 0, size)
 	args = append(args, head[0], head[1], keys, c.key)
 	if keys == 2 {
 		args = append(args, c.once)
