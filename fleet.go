@@ -284,8 +284,13 @@ type report struct {
 // and 2,000 round trips. The first Limiter of a client starts its pacer;
 // the last to Close stops it and waits for its goroutine to return.
 type pacer struct {
-	c    redis.UniversalClient
-	node *remote.Node  // what is known of the node of the heartbeats' keys
+	c redis.UniversalClient
+	// node is what is known of the heartbeats' node: one for the client,
+	// though on a Cluster the heartbeats of Limiters of other names may go
+	// to other masters. It only picks each call's first try: a call that
+	// meets a node without the library, or one refusing TIME, is answered
+	// on its own.
+	node *remote.Node
 	wake chan struct{} // a heart joined: the earliest step may be earlier
 	ctx  context.Context
 	stop context.CancelFunc

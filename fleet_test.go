@@ -146,7 +146,7 @@ func isBeat(cmd redis.Cmder) bool {
 		return false
 	}
 	s, _ := args[1].(string)
-	_, fleetFunction := remote.Functions()
+	_, fleetFunction := remote.FunctionNames()
 	return s == fleetSHA || s == lua.Fleet || s == fleetFunction
 }
 

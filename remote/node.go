@@ -51,9 +51,9 @@ func newLibrary(take, fleet string) lib {
 // loads, and its source.
 func Library() (name, src string) { return library.name, library.src }
 
-// Functions returns the names of the library's functions, which FCALL
+// FunctionNames returns the names of the library's functions, which FCALL
 // calls: the token bucket's and the heartbeat's.
-func Functions() (take, fleet string) { return library.take, library.fleet }
+func FunctionNames() (take, fleet string) { return library.take, library.fleet }
 
 // Node is what the remote path has learned of one Redis node: whether it
 // runs functions, and whether its scripts may read TIME. Every kind of
@@ -98,7 +98,7 @@ const (
 	eval // with the script's source: loads it into the script cache
 )
 
-// update sets the functions part of n's state to fn.
+// setFunctions sets the functions part of n's state to fn.
 func (n *Node) setFunctions(fn uint32) {
 	for {
 		old := n.state.Load()

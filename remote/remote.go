@@ -2,8 +2,9 @@
 // the charge for spending made without Redis, and the fleet's heartbeat.
 //
 // A Pipe serves one Redis node. A decision alone on an idle pipe is sent at
-// once as one EVALSHA; decisions that arrive while others are in flight are
-// sent together as one pipeline, so concurrent decisions share round trips.
+// once as one FCALL, or EVALSHA where the node has no functions (Node);
+// decisions that arrive while others are in flight are sent together as
+// one pipeline, so concurrent decisions share round trips.
 // The caller waits for its answer only until its context ends: a Redis that
 // hangs costs the caller its own deadline, never the client's socket
 // time-outs, whatever the client's options say.
