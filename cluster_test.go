@@ -19,6 +19,7 @@ import (
 
 	"github.com/hybridlimit/hybridlimit/internal/loadgen"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // clusterClients returns n default cluster clients of cl, closed by t.Cleanup.
@@ -459,6 +460,35 @@ func TestClusterFailover(t *testing.T) {
 	for i, lim := range r.lims {
 		if st, ok := lim.Stats().Breakers[master.Addr()]; ok {
 			t.Errorf("instance %d still has a node for the old master %s (%s); want it forgotten", i, master.Addr(), st)
+		}
+	}
+}
+
+// TestClusterFunctions: each master of a Cluster has functions of its own;
+// the first contact loads the library on every one of them, and then each
+// master's keys are decided by FCALL there.
+func TestClusterFunctions(t *testing.T) {
+	cl := redistest.StartCluster(t, 3)
+	const prefix = "fn:"
+	lim := newLimiter(t, Config{Redis: cl.Client(t), Limit: PerSecond(100), Prefix: prefix, Heartbeat: -1, Instances: 1, Timeout: time.Second})
+	name, _ := remote.Library()
+	for _, s := range cl.Nodes {
+		if libs, _ := s.Do(t, "FUNCTION", "LIST", "LIBRARYNAME", name).([]any); len(libs) != 1 {
+			t.Errorf("master %s lists %d libraries named %s after the first contact; want 1", s.Addr(), len(libs), name)
+		}
+	}
+	byNode := keysOn(t, cl, prefix, "key", 1)
+	for s, keys := range byNode {
+		before := s.Calls(t, "fcall")
+		deadline := time.Now().Add(5 * time.Second)
+		for s.Calls(t, "fcall") == before {
+			if d, err := lim.Allow(context.Background(), keys[0]); err != nil || d.Mode != ModeRemote {
+				t.Fatalf("Allow(%q) = %+v, %v; want a remote decision", keys[0], d, err)
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no FCALL on master %s within 5s of decisions on its key %s", s.Addr(), keys[0])
+			}
+			time.Sleep(10 * time.Millisecond)
 		}
 	}
 }

@@ -82,7 +82,7 @@ func TestCachedDenialsMatchRedis(t *testing.T) {
 // one per RetryAfter per instance, instead of every attempt.
 func TestCachedDenialsSpareRedis(t *testing.T) {
 	srv := redistest.Start(t)
-	calls := func() int64 { return srv.Calls(t, "evalsha") }
+	calls := func() int64 { return srv.ScriptCalls(t) }
 	for _, cache := range []bool{true, false} {
 		srv.Do(t, "CONFIG", "RESETSTAT")
 		var lims []*Limiter

@@ -289,7 +289,13 @@ type report struct {
 // and 2,000 round trips. The first Limiter of a client starts its pacer;
 // the last to Close stops it and waits for its goroutine to return.
 type pacer struct {
-	c    redis.UniversalClient
+	c redis.UniversalClient
+	// node is what is known of the heartbeats' node: one for the client,
+	// though on a Cluster the heartbeats of Limiters of other names may go
+	// to other masters. It only picks each call's first try: a call that
+	// meets a node without the library, or one refusing TIME, is answered
+	// on its own.
+	node *remote.Node
 	wake chan struct{} // a heart joined: the earliest step may be earlier
 	ctx  context.Context
 	stop context.CancelFunc
@@ -330,7 +336,8 @@ func join(h *heart) *pacer {
 		if pacers.by == nil {
 			pacers.by = make(map[redis.UniversalClient]*pacer)
 		}
-		p = &pacer{c: c, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: rand.Float64() * pacerSlots}
+		p = &pacer{c: c, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: rand.Float64() * pacerSlots,
+			node: &remote.Node{Name: "heartbeats", Log: h.lim.cfg.Logger, Now: h.lim.cfg.now}}
 		p.ctx, p.stop = context.WithCancel(context.Background())
 		pacers.by[c] = p
 		go p.run()
@@ -427,7 +434,7 @@ func (p *pacer) run() {
 		if len(beats) > 0 {
 			ctx, cancel := context.WithTimeout(p.ctx, every)
 			sent := time.Now()
-			remote.Beats(ctx, p.c, beats)
+			remote.Beats(ctx, p.c, p.node, beats)
 			got := time.Now()
 			cancel()
 			for i, h := range sending {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
 	"github.com/hybridlimit/hybridlimit/lua"
+	"github.com/hybridlimit/hybridlimit/remote"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -145,7 +146,8 @@ func isBeat(cmd redis.Cmder) bool {
 		return false
 	}
 	s, _ := args[1].(string)
-	return s == fleetSHA || s == lua.Fleet
+	_, fleetFunction := remote.FunctionNames()
+	return s == fleetSHA || s == lua.Fleet || s == fleetFunction
 }
 
 func (b *beatCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {

@@ -280,7 +280,7 @@ func (lim *Limiter) newNode(addr string, c *redis.Client) *node {
 	if c != nil {
 		via = c
 	}
-	nd := &node{addr: addr, pipe: remote.NewPipe(via, 0)}
+	nd := &node{addr: addr, pipe: remote.NewPipe(via, 0, &remote.Node{Name: addr, Log: lim.cfg.Logger, Now: lim.cfg.now})}
 	nd.cb = breaker.New(breaker.Settings{
 		Name:     addr,
 		Failures: uint32(b.Failures),
@@ -809,6 +809,13 @@ func (lim *Limiter) warm() {
 			close(lim.tried)
 		}
 		if lim.mapped.Load() {
+			// go-redis reads the servers' command table (COMMAND) on the
+			// first command its Cluster client routes, tens of
+			// milliseconds under load: part of the first contact, not of
+			// the first decision's budget.
+			ctx, cancel := context.WithTimeout(lim.ctx, time.Second)
+			_ = lim.cluster.Ping(ctx).Err()
+			cancel()
 			if err != nil {
 				lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)
 			}

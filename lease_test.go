@@ -3,7 +3,6 @@ package hybridlimit
 import (
 	"context"
 	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -13,22 +12,6 @@ import (
 	"github.com/hybridlimit/hybridlimit/internal/loadgen"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
 )
-
-// evalshaCalls returns how many EVALSHA the server has run.
-func evalshaCalls(t testing.TB, srv *redistest.Server) int64 {
-	t.Helper()
-	info, _ := srv.Do(t, "INFO", "commandstats").(string)
-	for _, line := range strings.Split(info, "\r\n") {
-		if rest, ok := strings.CutPrefix(line, "cmdstat_evalsha:calls="); ok {
-			n, err := strconv.ParseInt(rest[:strings.IndexByte(rest, ',')], 10, 64)
-			if err != nil {
-				t.Fatalf("commandstats line %q: %v", line, err)
-			}
-			return n
-		}
-	}
-	return 0
-}
 
 // TestLeaseExactCounts: with leases, 3 instances × 16 goroutines offered
 // 3200 attempts on a bucket of 1000 account for exactly its 1000 tokens,
@@ -55,7 +38,7 @@ func TestLeaseExactCounts(t *testing.T) {
 		left, _ := lim.shares.TakeLease(time.Now(), "bucket", 0)
 		held += left
 	}
-	calls := evalshaCalls(t, srv)
+	calls := srv.ScriptCalls(t)
 	t.Logf("allowed %d of %d, %d leased tokens left; %d decisions from leases; %d script calls",
 		allowed, attempts, held, leased, calls)
 	if allowed+held != 1000 || local != 0 {
@@ -168,7 +151,7 @@ func BenchmarkLeaseCost(b *testing.B) {
 						Prefix: "leasecost:", Lease: lease, Heartbeat: -1,
 					})))
 				}
-				calls0 := evalshaCalls(b, srv)
+				calls0 := srv.ScriptCalls(b)
 				res := loadgen.Run(context.Background(), loadgen.Config{
 					Instances: deciders, Workers: 8, Rate: 900, Duration: 3 * time.Second,
 				})
@@ -177,7 +160,7 @@ func BenchmarkLeaseCost(b *testing.B) {
 					allowed += s.Allowed
 					total += s.Total()
 				}
-				calls := evalshaCalls(b, srv) - calls0
+				calls := srv.ScriptCalls(b) - calls0
 				b.Logf("Lease %d: allowed %d of %d (%.1f%%), %d script calls\n%s", lease, allowed, total,
 					100*float64(allowed)/float64(total), calls, loadgen.Table(res.Seconds))
 				b.ReportMetric(100*float64(allowed)/float64(total), "%allowed")

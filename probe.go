@@ -64,7 +64,7 @@ func (lim *Limiter) probePipe(nd *node) *remote.Pipe {
 	}
 	nd.once.Do(func() {
 		if c := lim.ownClient(nd.addr); c != nil {
-			nd.direct = remote.NewPipe(c, 1)
+			nd.direct = remote.NewPipe(c, 1, nd.pipe.Node()) // the same node: what is known of it is shared
 		}
 	})
 	if nd.direct == nil {

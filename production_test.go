@@ -359,7 +359,7 @@ func TestWaitNFairness(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
 	defer cancel()
-	before := srv.Calls(t, "evalsha")
+	before := srv.ScriptCalls(t)
 	var wg sync.WaitGroup
 	var tokens, grants, big atomic.Int64
 	for i, lim := range lims {
@@ -383,7 +383,7 @@ func TestWaitNFairness(t *testing.T) {
 		}
 	}
 	wg.Wait()
-	calls := srv.Calls(t, "evalsha") - before
+	calls := srv.ScriptCalls(t) - before
 	t.Logf("4 s, 12 waiters: %d tokens in %d grants (%d of them of 5 tokens), %d script calls", tokens.Load(), grants.Load(), big.Load(), calls)
 	if max := int64(rate*4 + burst); tokens.Load() > max {
 		t.Errorf("granted %d tokens in 4 s; want at most %d", tokens.Load(), max)

@@ -9,6 +9,8 @@
 -- ARGV[3]  i
 -- ARGV[4]  w, the window in milliseconds (the group's Heartbeat)
 -- ARGV[5]  '1' if it wants a ticket for window i, else '0'
+-- ARGV[6]  optional: Redis's clock in microseconds, read by the client
+--          outside the script, for a Redis that refuses TIME in scripts
 --
 -- Redis is in window r. A report for window j is taken while r is j, j+1
 -- or j+2 (a heartbeat may come up to a window late), and added to '#t',
@@ -35,8 +37,17 @@ if not (j and i and w) or j % 1 ~= 0 or i % 1 ~= 0 or w < 1 or w % 1 ~= 0 then
   return redis.error_reply('ERR hybridlimit fleet: bad arguments')
 end
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now
+if ARGV[6] then
+  local us = tonumber(ARGV[6])
+  if not us or us < 0 then
+    return redis.error_reply('ERR hybridlimit fleet: bad time')
+  end
+  now = math.floor(us / 1000)
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local r = math.floor(now / w)
 
 local taken = 0

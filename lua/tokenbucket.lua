@@ -36,6 +36,12 @@
 --          "reset": store a full bucket, whatever the key held (an
 --          operator's reset); it expires a second later, when it is the
 --          same as no key at all.
+-- ARGV[6]  the mode's argument, "" if it has none
+-- ARGV[7]  optional: Redis's clock in microseconds, for a Redis that
+--          refuses TIME in scripts (ElastiCache Serverless): the client
+--          reads TIME outside the script and passes it, corrected by its
+--          monotonic clock since then. ARGV[5] and ARGV[6] are "" where
+--          there are none.
 --
 -- The client does the multiplications (cap and cost in units) and computes
 -- RetryAfter and ResetAfter from the reply: this script runs on the one
@@ -47,7 +53,7 @@
 -- checks cap against that bound.
 --
 -- The value is 22 bytes: a format byte (1), then the level, the time in
--- microseconds of Redis TIME (client clocks are never read) and p, each a
+-- microseconds of Redis TIME (or ARGV[7], Redis's clock read outside the script) and p, each a
 -- 7-byte big-endian unsigned integer; struct.pack('>BI7I7I7', 1, level,
 -- time, p) in Redis's Lua. p is kept so that a changed limit keeps the
 -- tokens. Binary because Redis's struct library reads and writes it in one
@@ -88,8 +94,16 @@ local p = tonumber(ARGV[2])
 local cap = tonumber(ARGV[3])
 local cost = tonumber(ARGV[4])
 
-local t = redis.call('TIME')
-local now = t[1] * 1000000 + t[2]
+local now
+if ARGV[7] then
+  now = tonumber(ARGV[7])
+  if not now or now < 0 or now % 1 ~= 0 then
+    return redis.error_reply('ERR hybridlimit bucket: bad time')
+  end
+else
+  local t = redis.call('TIME')
+  now = t[1] * 1000000 + t[2]
+end
 
 -- rawget: Redis 7 and miniredis raise an error on reading a global that
 -- does not exist.

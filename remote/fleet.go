@@ -52,7 +52,7 @@ const (
 // that may wait.
 func Fleet(ctx context.Context, c redis.UniversalClient, base string, window, offered int64, ticket bool, every time.Duration) (Heartbeat, error) {
 	b := []Beat{{Base: base, Window: window, Offered: offered, Ticket: ticket, Every: every}}
-	Beats(ctx, c, b)
+	Beats(ctx, c, nil, b)
 	return b[0].Heartbeat, b[0].Err
 }
 
@@ -73,38 +73,28 @@ type Beat struct {
 // that what they cost this process and Redis's socket work are paid once
 // per batch rather than once per heartbeat. Redis runs each one's script
 // on its own; one that met NOSCRIPT is sent again with the source, in a
-// second round trip.
-func Beats(ctx context.Context, c redis.UniversalClient, beats []Beat) {
-	cmds := make([]noRetryCmd, len(beats))
-	send := func(source bool, which []int) {
-		if len(which) == 1 {
-			// No pipeline for one: a Cluster client routes it by itself.
-			i := which[0]
-			cmds[i] = beatCmd(ctx, &beats[i], source)
-			_ = c.Process(ctx, cmds[i])
-			return
-		}
-		pl := c.Pipeline()
-		for _, i := range which {
-			cmds[i] = beatCmd(ctx, &beats[i], source)
-			_ = pl.Process(ctx, cmds[i])
-		}
-		_, _ = pl.Exec(ctx)
+// second round trip. n is what is known of the node of the first beat's
+// key (nil: nothing), which Beats, called off the decisions' path, checks
+// and keeps up to date itself.
+func Beats(ctx context.Context, c redis.UniversalClient, n *Node, beats []Beat) {
+	if len(beats) == 0 {
+		return
 	}
+	if n == nil {
+		n = new(Node)
+	}
+	if n.needsTending() && n.busy.CompareAndSwap(false, true) {
+		n.tendNow(ctx, nodeClient(ctx, c, beats[0].Base))
+		n.busy.Store(false)
+	}
+	cmds := make([]noRetryCmd, len(beats))
 	all := make([]int, len(beats))
 	for i := range all {
 		all[i] = i
 	}
-	send(false, all)
-	var again []int
-	for i, cmd := range cmds {
-		if isNoScript(cmd.Err()) {
-			again = append(again, i)
-		}
-	}
-	if len(again) > 0 {
-		send(true, again)
-	}
+	n.exchange(ctx, c, beats[0].Base, cmds, all, func(i int, v verb, now int64) noRetryCmd {
+		return beatCmd(ctx, &beats[i], v, now)
+	})
 	for i, cmd := range cmds {
 		b := &beats[i]
 		if b.Err = cmd.Err(); b.Err != nil {
@@ -116,22 +106,23 @@ func Beats(ctx context.Context, c redis.UniversalClient, beats []Beat) {
 	}
 }
 
-// beatCmd returns the EVALSHA (or, with source, the EVAL) of b.
-func beatCmd(ctx context.Context, b *Beat, source bool) noRetryCmd {
-	verb, script := "evalsha", fleetScript.sha
-	if source {
-		verb, script = "eval", fleetScript.src
-	}
+// beatCmd returns the call of b by v; unless now is 0, it passes now
+// (Redis's clock, in microseconds) as ARGV[6].
+func beatCmd(ctx context.Context, b *Beat, v verb, now int64) noRetryCmd {
 	read := b.Window - 2
 	report := min(max(b.Offered, 0), MaxReport)<<reporterBits | 1
 	want := "0"
 	if b.Ticket {
 		want = "1"
 	}
-	return noRetryCmd{redis.NewCmd(ctx, verb, script, 2,
-		b.Base+":"+strconv.FormatInt(b.Window, 10), b.Base+":"+strconv.FormatInt(read, 10),
+	args := []any{fleetScript.head[v][0], fleetScript.head[v][1], 2,
+		b.Base + ":" + strconv.FormatInt(b.Window, 10), b.Base + ":" + strconv.FormatInt(read, 10),
 		strconv.FormatInt(b.Window, 10), strconv.FormatInt(report, 10),
-		strconv.FormatInt(read, 10), strconv.FormatInt(b.Every.Milliseconds(), 10), want)}
+		strconv.FormatInt(read, 10), strconv.FormatInt(b.Every.Milliseconds(), 10), want}
+	if now != 0 {
+		args = append(args, formatMicros(now))
+	}
+	return noRetryCmd{redis.NewCmd(ctx, args...)}
 }
 
 // parseHeartbeat turns the script's reply into a Heartbeat, or ErrReply if
@@ -160,12 +151,19 @@ func parseHeartbeat(reply any) (Heartbeat, error) {
 		Total: sum >> reporterBits, Ticket: ticket}, nil
 }
 
-// Load loads every script of this package into the script cache of every
-// node c reaches (every master of a Cluster), so that the first decisions
-// need not send the source after a NOSCRIPT.
-func Load(ctx context.Context, c redis.UniversalClient) error {
-	for _, s := range []*script{takeScript, fleetScript} {
-		if err := c.ScriptLoad(ctx, s.src).Err(); err != nil {
+// Load loads every script of this package into the script cache of c's
+// node, and on Redis 7 and later the function library too, so that the
+// first decisions need not send the source after a NOSCRIPT. For a
+// Cluster, call it with each master's client (ClusterClient.ForEachMaster):
+// every node has its own cache and its own functions, which its replicas
+// receive. A Redis without functions is no error.
+func Load(ctx context.Context, c redis.Cmdable) error {
+	pl := c.Pipeline()
+	scripts := []*redis.StringCmd{pl.ScriptLoad(ctx, takeScript.src), pl.ScriptLoad(ctx, fleetScript.src)}
+	_ = pl.FunctionLoad(ctx, library.src) // fails where there are no functions, or the library is there
+	_, _ = pl.Exec(ctx)
+	for _, s := range scripts {
+		if err := s.Err(); err != nil {
 			return err
 		}
 	}

@@ -30,7 +30,7 @@ func encode(level, now, p int64) string {
 func TestValueFormat(t *testing.T) {
 	srv := redistest.Start(t)
 	real := srv.Client(t)
-	rp := NewPipe(real, 2)
+	rp := NewPipe(real, 2, nil)
 	defer rp.Close()
 	m, mp := newMini(t)
 	// miniredis's clock in 2100: a value it writes is in Redis's future,

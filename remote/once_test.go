@@ -14,7 +14,7 @@ import (
 func TestChargeOnce(t *testing.T) {
 	srv := redistest.Start(t)
 	c := srv.Client(t)
-	p := NewPipe(c, 2)
+	p := NewPipe(c, 2, nil)
 	defer p.Close()
 	ctx := context.Background()
 	lim, err := NewLimit(10, 100)

@@ -155,7 +155,7 @@ func TestPeekReadOnlyOnRedis(t *testing.T) {
 	ctx := context.Background()
 	key := "{" + t.Name() + "}:k"
 	lim := mustLimit(t, 1.0/3600, 10) // one token an hour: no refill to speak of
-	p := NewPipe(c, 0)
+	p := NewPipe(c, 0, nil)
 	defer p.Close()
 	evalRO := func(argv ...any) (any, error) {
 		return c.Do(ctx, append([]any{"eval_ro", lua.TokenBucket, 1, key, lim.Q, lim.P, lim.Cap()}, argv...)...).Result()
@@ -218,7 +218,7 @@ func TestAtMostExact(t *testing.T) {
 	ctx := context.Background()
 	key := "{" + t.Name() + "}:k"
 	lim := mustLimit(t, 1.0/3600, 100)
-	p := NewPipe(c, 0)
+	p := NewPipe(c, 0, nil)
 	defer p.Close()
 	var granted, calls atomic.Int64
 	var wg sync.WaitGroup
@@ -282,7 +282,7 @@ func BenchmarkPeek(b *testing.B) {
 		{"peek", Request{Key: "k", Limit: lim, Peek: true}},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
-			p := NewPipe(c, 0)
+			p := NewPipe(c, 0, nil)
 			defer p.Close()
 			b.ReportAllocs()
 			b.RunParallel(func(pb *testing.PB) {

@@ -2,8 +2,9 @@
 // the charge for spending made without Redis, and the fleet's heartbeat.
 //
 // A Pipe serves one Redis node. A decision alone on an idle pipe is sent at
-// once as one EVALSHA; decisions that arrive while others are in flight are
-// sent together as one pipeline, so concurrent decisions share round trips.
+// once as one FCALL, or EVALSHA where the node has no functions (Node);
+// decisions that arrive while others are in flight are sent together as
+// one pipeline, so concurrent decisions share round trips.
 // The caller waits for its answer only until its context ends: a Redis that
 // hangs costs the caller its own deadline, never the client's socket
 // time-outs, whatever the client's options say.
@@ -34,23 +35,29 @@ var (
 	ErrUnanswered = errors.New("remote: sent but unanswered")
 )
 
-// script is a Lua script with its SHA1, which EVALSHA sends.
+// script is a Lua script with its SHA1, which EVALSHA sends, and the name
+// of its function in the library, which FCALL sends.
 type script struct {
 	src, sha string
-	// The commands' first two arguments, boxed once: converting a string
-	// to an interface allocates, and this is done for every decision.
-	evalsha, eval [2]any
+	// The commands' first two arguments by verb, boxed once: converting a
+	// string to an interface allocates, and this is done for every
+	// decision.
+	head [3][2]any
 }
 
-func newScript(src string) *script {
+func newScript(src, function string) *script {
 	sha := redis.NewScript(src).Hash()
-	return &script{src: src, sha: sha, evalsha: [2]any{"evalsha", sha}, eval: [2]any{"eval", src}}
+	s := &script{src: src, sha: sha}
+	s.head[evalsha] = [2]any{"evalsha", sha}
+	s.head[fcall] = [2]any{"fcall", function}
+	s.head[eval] = [2]any{"eval", src}
+	return s
 }
 
 // The scripts.
 var (
-	takeScript  = newScript(lua.TokenBucket)
-	fleetScript = newScript(lua.Fleet)
+	takeScript  = newScript(lua.TokenBucket, library.take)
+	fleetScript = newScript(lua.Fleet, library.fleet)
 )
 
 // Hash returns the SHA1 of the token-bucket script, as EVALSHA uses it.
@@ -69,6 +76,7 @@ const (
 // that arrive together into pipelines. Pipe is safe for concurrent use.
 type Pipe struct {
 	c      redis.UniversalClient
+	node   *Node
 	inline bool // c bounds reads by the context's deadline: a lone call may run on its caller
 	calls  chan *call
 	// lone hands a call sent alone to a sender goroutine parked on it, if
@@ -143,7 +151,8 @@ func (p *Pipe) release(c *call) {
 	p.pool.Put(c)
 }
 
-// NewPipe returns a Pipe that runs the script through c. For a Redis
+// NewPipe returns a Pipe that runs the script through c on the node n
+// (nil means a Node of its own). For a Redis
 // Cluster, c is the ClusterClient and every key given to one Pipe should
 // live on one master; the client still routes each command and follows
 // MOVED and ASK.
@@ -158,12 +167,16 @@ func (p *Pipe) release(c *call) {
 // does not hold back the next one. Close stops the dispatcher and the
 // waiting senders, and waits for them and for every batch's goroutine to
 // return.
-func NewPipe(c redis.UniversalClient, inflight int) *Pipe {
+func NewPipe(c redis.UniversalClient, inflight int, n *Node) *Pipe {
 	if inflight < 1 {
 		inflight = DefaultInFlight
 	}
+	if n == nil {
+		n = new(Node)
+	}
 	p := &Pipe{
 		c:      c,
+		node:   n,
 		inline: boundsReads(c),
 		calls:  make(chan *call, MaxBatch*inflight),
 		lone:   make(chan *call),
@@ -482,10 +495,15 @@ func lastDeadline(batch []*call) (deadline time.Time, ok bool) {
 // run sends one batch, lands f, then answers every call in it. Landing
 // comes first: once answered, a call (and the flight in it) may be reused.
 func (p *Pipe) run(batch []*call, f *flight) {
+	answered := false
+	key := batch[0].key
 	defer func() {
 		p.land(f)
 		for _, c := range batch {
 			c.ready <- struct{}{}
+		}
+		if answered {
+			p.tend(key)
 		}
 	}()
 	// Drop what nobody waits for any more: sending it would spend tokens
@@ -506,13 +524,12 @@ func (p *Pipe) run(batch []*call, f *flight) {
 		// The caller's own context: a client with ContextTimeoutEnabled
 		// stops reading at its deadline.
 		c := batch[0]
-		cmd := p.evalCmd(c.ctx, false, c)
-		err := p.c.Process(c.ctx, cmd)
-		if isNoScript(err) {
-			cmd = p.evalCmd(c.ctx, true, c)
-			err = p.c.Process(c.ctx, cmd)
-		}
-		c.result(cmd, err)
+		var cmds [1]noRetryCmd
+		p.node.exchange(c.ctx, p.c, c.key, cmds[:], zero[:], func(_ int, v verb, now int64) noRetryCmd {
+			return p.evalCmd(c.ctx, v, now, c)
+		})
+		c.result(cmds[0], cmds[0].Err())
+		answered = c.err == nil
 		return
 	}
 
@@ -525,30 +542,16 @@ func (p *Pipe) run(batch []*call, f *flight) {
 		defer cancel()
 	}
 
-	pl := p.c.Pipeline()
 	cmds := make([]noRetryCmd, len(batch))
+	which := make([]int, 0, live)
 	for i, c := range batch {
 		if c.sent.Load() {
-			cmds[i] = p.evalCmd(ctx, false, c)
-			_ = pl.Process(ctx, cmds[i])
+			which = append(which, i)
 		}
 	}
-	_, _ = pl.Exec(ctx)
-	var again []int
-	for i, cmd := range cmds {
-		if cmd.Cmd != nil && isNoScript(cmd.Err()) {
-			again = append(again, i)
-		}
-	}
-	if len(again) > 0 {
-		// The node lost its script cache (restart, failover, SCRIPT FLUSH):
-		// EVAL carries the source and loads it again.
-		for _, i := range again {
-			cmds[i] = p.evalCmd(ctx, true, batch[i])
-			_ = pl.Process(ctx, cmds[i])
-		}
-		_, _ = pl.Exec(ctx)
-	}
+	p.node.exchange(ctx, p.c, key, cmds, which, func(i int, v verb, now int64) noRetryCmd {
+		return p.evalCmd(ctx, v, now, batch[i])
+	})
 	for i, c := range batch {
 		if cmds[i].Cmd != nil {
 			err := cmds[i].Err()
@@ -560,8 +563,37 @@ func (p *Pipe) run(batch []*call, f *flight) {
 				err = fmt.Errorf("%w: %v", ErrUnanswered, err)
 			}
 			c.result(cmds[i], err)
+			answered = answered || c.err == nil
 		}
 	}
+}
+
+// zero is the calls to send of a batch of one.
+var zero = [1]int{0}
+
+// checkFor bounds the background work of tend.
+const checkFor = time.Second
+
+// tend does, off the decisions' path and one at a time, what p's node
+// needs after a call answered: a check whether it runs functions, until
+// known, and a fresh reading of its clock while its scripts may not read
+// TIME. key names the node for a Cluster.
+func (p *Pipe) tend(key string) {
+	n := p.node
+	if !n.needsTending() || !n.busy.CompareAndSwap(false, true) {
+		return
+	}
+	if !p.enter() {
+		n.busy.Store(false)
+		return
+	}
+	go func() {
+		defer p.wg.Done()
+		defer n.busy.Store(false)
+		ctx, cancel := context.WithTimeout(context.Background(), checkFor)
+		defer cancel()
+		n.tendNow(ctx, nodeClient(ctx, p.c, key))
+	}()
 }
 
 // result records cmd's outcome, err, as c's answer, for run to deliver.
@@ -592,33 +624,61 @@ type noRetryCmd struct{ *redis.Cmd }
 // NoRetry tells go-redis not to retry the command, whatever MaxRetries says.
 func (noRetryCmd) NoRetry() bool { return true }
 
-// evalCmd returns the EVALSHA (or, withSource, the EVAL) of c.
-func (p *Pipe) evalCmd(ctx context.Context, withSource bool, c *call) noRetryCmd {
-	verb, script := takeScript.evalsha[0], takeScript.evalsha[1]
-	if withSource {
-		verb, script = takeScript.eval[0], takeScript.eval[1]
-	}
+// evalCmd returns the call of c by v. Unless now is 0, when the script
+// reads TIME itself, it passes now (Redis's clock, in microseconds) as
+// ARGV[7], after the mode and its argument, "" where there are none.
+func (p *Pipe) evalCmd(ctx context.Context, v verb, now int64, c *call) noRetryCmd {
+	head := &takeScript.head[v]
 	b := p.box(c.lim)
 	var cost any = c.cost
 	if c.cost == c.lim.P {
 		cost = b.p // one token, the common case: boxed already
 	}
+	keys, extra := 1, 0 // keys, and the mode's arguments
 	switch c.mode {
 	case modeCharge:
+		extra = 1
 		if c.once != "" {
-			return noRetryCmd{redis.NewCmd(ctx, verb, script, 2, c.key, c.once, b.q, b.p, b.cap, cost, "charge", onceForMillis)}
+			keys, extra = 2, 2
 		}
-		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "charge")}
-	case modeLease:
-		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "lease", c.extra)}
-	case modeReserve:
-		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "reserve", c.extra)}
-	case modePeek:
-		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "peek")}
-	case modeReset:
-		return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost, "reset")}
+	case modeLease, modeReserve:
+		extra = 2
+	case modePeek, modeReset:
+		extra = 1
 	}
-	return noRetryCmd{redis.NewCmd(ctx, verb, script, 1, c.key, b.q, b.p, b.cap, cost)}
+	size := 3 + keys + 4 + extra
+	if now != 0 {
+		size = 3 + keys + 7
+	}
+	// One allocation, of the size the call needs: NewCmd keeps the slice.
+	args := make([]any, 0, size)
+	args = append(args, head[0], head[1], keys, c.key)
+	if keys == 2 {
+		args = append(args, c.once)
+	}
+	args = append(args, b.q, b.p, b.cap, cost)
+	switch c.mode {
+	case modeCharge:
+		args = append(args, "charge")
+		if keys == 2 {
+			args = append(args, onceForMillis)
+		}
+	case modeLease:
+		args = append(args, "lease", c.extra)
+	case modeReserve:
+		args = append(args, "reserve", c.extra)
+	case modePeek:
+		args = append(args, "peek")
+	case modeReset:
+		args = append(args, "reset")
+	}
+	if now != 0 {
+		for len(args) < 3+keys+6 {
+			args = append(args, "")
+		}
+		args = append(args, formatMicros(now))
+	}
+	return noRetryCmd{redis.NewCmd(ctx, args...)}
 }
 
 // boxed is a Limit's numbers as the interface values a command's
@@ -667,3 +727,7 @@ func OnceKey(key, once string) string {
 	}
 	return ""
 }
+
+// Node returns what p knows of its node, to share with another Pipe to
+// the same node.
+func (p *Pipe) Node() *Node { return p.node }

@@ -26,7 +26,7 @@ func newMini(t *testing.T) (*miniredis.Miniredis, *Pipe) {
 	m.SetTime(t0)
 	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
 	t.Cleanup(func() { c.Close() })
-	p := NewPipe(c, 2)
+	p := NewPipe(c, 2, nil)
 	t.Cleanup(p.Close)
 	return m, p
 }
@@ -466,7 +466,7 @@ func TestInline(t *testing.T) {
 	m.SetTime(t0)
 	c := redis.NewClient(&redis.Options{Addr: m.Addr(), ContextTimeoutEnabled: true})
 	defer c.Close()
-	p := NewPipe(c, 2)
+	p := NewPipe(c, 2, nil)
 	defer p.Close()
 	if !p.inline {
 		t.Fatal("pipe on a client with ContextTimeoutEnabled is not inline")
@@ -511,7 +511,7 @@ func TestLoneSenders(t *testing.T) {
 	m.SetTime(t0)
 	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
 	defer c.Close()
-	p := NewPipe(c, 2)
+	p := NewPipe(c, 2, nil)
 	lim := mustLimit(t, 1000, 1000)
 	take := func() {
 		t.Helper()

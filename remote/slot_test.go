@@ -109,7 +109,7 @@ func TestHungCallFreesItsSlot(t *testing.T) {
 	// default 3 s so that Close, which waits for the hung sends, is quick.
 	c := redis.NewClient(&redis.Options{Addr: srv.ln.Addr().String(), ReadTimeout: 400 * time.Millisecond})
 	defer c.Close()
-	p := NewPipe(c, 1)
+	p := NewPipe(c, 1, nil)
 	defer p.Close()
 	lim := mustLimit(t, 10, 10)
 	for i := range 3 {

@@ -331,3 +331,11 @@ func (s *Server) Calls(t testing.TB, command string) int64 {
 	}
 	return 0
 }
+
+// ScriptCalls returns how many script calls the server has run by
+// EVALSHA or FCALL: hybridlimit calls its scripts one way or the other,
+// depending on whether the server has functions.
+func (s *Server) ScriptCalls(t testing.TB) int64 {
+	t.Helper()
+	return s.Calls(t, "evalsha") + s.Calls(t, "fcall")
+}

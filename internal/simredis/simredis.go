@@ -1,7 +1,9 @@
 // Package simredis is the Redis of the simulator: an in-process server that
 // speaks RESP2 to go-redis and runs Go models of hybridlimit's two scripts
 // (lua/tokenbucket.lua and lua/fleet.lua) under their SHA1s, with EVALSHA,
-// EVAL, SCRIPT LOAD and FLUSH, NOSCRIPT, TIME, GET, DEL and PTTL.
+// EVAL, SCRIPT LOAD and FLUSH, NOSCRIPT, TIME, GET, DEL and PTTL. It has no
+// functions: FUNCTION and FCALL are unknown commands, as on Redis 6, so the
+// limiter runs the scripts by EVALSHA against it.
 //
 // It exists because miniredis runs each script call in a fresh gopher-lua
 // state, about 0.5 ms under the race detector, which leaves too few calls
