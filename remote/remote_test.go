@@ -522,6 +522,14 @@ func TestLoneSenders(t *testing.T) {
 		}
 	}
 	take()
+	// The first answer sets the node's background check of functions
+	// going, once: wait for it, so that only the lone calls are counted.
+	for deadline := time.Now().Add(5 * time.Second); p.node.needsTending() || p.node.busy.Load(); {
+		if time.Now().After(deadline) {
+			t.Fatal("the node's first check did not end within 5s")
+		}
+		time.Sleep(time.Millisecond)
+	}
 	const n = 50
 	before := goroutinesCreated()
 	for range n {
