@@ -141,9 +141,13 @@ type Limiter struct {
 	owed    chan struct{}           // local decisions on nodes whose breaker is closed
 	opened  chan struct{}           // a breaker opened: wakes the prober
 
-	mu          sync.Mutex // serializes writers of nodes, and closed with them
-	closed      atomic.Bool
-	reconciling sync.Mutex // held by reconcile; protects unanswered and onces
+	mu     sync.Mutex // serializes writers of nodes, and closed with them
+	closed atomic.Bool
+	// reconciling holds one token, taken by reconcile: it protects
+	// unanswered and onces. A channel, not a mutex: reconcile holds it
+	// across its charges' round trips, and a reconcile that waits for
+	// another gives up when its context ends.
+	reconciling chan struct{}
 	// unanswered holds, by key, the charges sent and not answered: sent
 	// again under the same Once, Redis applies each at most once.
 	unanswered map[string][]pendingCharge
@@ -232,16 +236,17 @@ func New(cfg Config) (*Limiter, error) {
 		return nil, err
 	}
 	lim := &Limiter{
-		cfg:        cfg,
-		shares:     local.New(cfg.MaxLocalKeys),
-		unanswered: map[string][]pendingCharge{},
-		onceBase:   strconv.FormatUint(rand.Uint64(), 36) + ".",
-		healed:     make(chan *node, 1),
-		owed:       make(chan struct{}, 1),
-		opened:     make(chan struct{}, 1),
-		tried:      make(chan struct{}),
-		warmed:     make(chan struct{}),
-		done:       make(chan struct{}),
+		reconciling: make(chan struct{}, 1),
+		cfg:         cfg,
+		shares:      local.New(cfg.MaxLocalKeys),
+		unanswered:  map[string][]pendingCharge{},
+		onceBase:    strconv.FormatUint(rand.Uint64(), 36) + ".",
+		healed:      make(chan *node, 1),
+		owed:        make(chan struct{}, 1),
+		opened:      make(chan struct{}, 1),
+		tried:       make(chan struct{}),
+		warmed:      make(chan struct{}),
+		done:        make(chan struct{}),
 	}
 	lim.ctx, lim.cancel = context.WithCancel(context.Background())
 	lim.born = time.Now()

@@ -137,9 +137,9 @@ func (lim *Limiter) Reset(ctx context.Context, key string) error {
 	// and the reset's own answer, later in Redis's time than any of
 	// theirs, is what later answers are ordered against.
 	lim.shares.Reset(key)
-	lim.reconciling.Lock()
+	lim.reconciling <- struct{}{}
 	delete(lim.unanswered, key) // nothing owed on it any more
-	lim.reconciling.Unlock()
+	<-lim.reconciling
 	switch {
 	case err != nil:
 		return err

@@ -76,8 +76,12 @@ func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
 	}
 	// The prober and the reconciler both reconcile: one at a time, or
 	// both would report what the other has in flight.
-	lim.reconciling.Lock()
-	defer lim.reconciling.Unlock()
+	select {
+	case lim.reconciling <- struct{}{}:
+	case <-ctx.Done():
+		return // owed to the next reconciliation
+	}
+	defer func() { <-lim.reconciling }()
 	reachable := func(key string) *node {
 		nd := lim.route(lim.cfg.Prefix + key)
 		if nd == nil || nd != probing && nd.cb.State() != breaker.StateClosed {

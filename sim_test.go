@@ -48,7 +48,7 @@ var (
 var invariants = []string{
 	"window-limit", "outage-floor", "redis-error", "short-deadline-failover", "latency",
 	"retry-after", "waitn-spin", "recovery", "exact-healthy", "stale-denial",
-	"remote-while-down", "reconcile-overcharge", "goroutine-leak",
+	"remote-while-down", "reconcile-overcharge", "goroutine-leak", "failover",
 }
 
 // event is one step of a schedule, At after the start.
@@ -103,6 +103,9 @@ type schedule struct {
 	// that next uses it.
 	TLS    bool
 	Events []event
+	// Cluster, if not nil, runs the fleet against a Redis Cluster, with
+	// the Cluster's faults instead of Events (sim_cluster_test.go).
+	Cluster *clusterPlan
 }
 
 func (s schedule) String() string {
@@ -114,12 +117,17 @@ func (s schedule) String() string {
 	for _, e := range s.Events {
 		fmt.Fprintf(&b, "  %v\n", e)
 	}
+	if s.Cluster != nil {
+		b.WriteString(s.Cluster.String())
+	}
 	return b.String()
 }
 
 // healthy reports whether s has no faults, no limit changes, no fleet
 // changes and no refunds: the exact-count check applies.
-func (s schedule) healthy() bool { return len(s.Events) == 0 && s.Refunds == 0 && s.MaxN == 1 }
+func (s schedule) healthy() bool {
+	return len(s.Events) == 0 && s.Cluster == nil && s.Refunds == 0 && s.MaxN == 1
+}
 
 // features names what s has that a defect may need, for the summary's
 // breakdown of failing seeds.
@@ -142,6 +150,9 @@ func (s schedule) features() []string {
 	}
 	if s.TLS {
 		f = append(f, "tls")
+	}
+	if s.Cluster != nil {
+		f = append(f, s.Cluster.features()...)
 	}
 	kinds := map[string]bool{}
 	for _, e := range s.Events {
@@ -213,6 +224,9 @@ func genSchedule(seed uint64) schedule {
 	}
 	if r.IntN(5) == 0 {
 		s.Refunds = 0.1
+	}
+	if s.Cluster = drawCluster(seed, &s); s.Cluster != nil {
+		return s
 	}
 	if r.IntN(5) == 0 {
 		return s // healthy: exact counts
@@ -323,6 +337,7 @@ type simRun struct {
 	s        schedule
 	t0       time.Time
 	srv      *simredis.Server
+	cluster  *simCluster // a Cluster run's (sim_cluster_test.go); nil otherwise
 	links    []*simnet.Link
 	mu       sync.Mutex                      // protects recs, charges, spins, heard, answered
 	answered map[answeredKey][]time.Duration // when the server ran each slot's script calls, by key
@@ -483,7 +498,11 @@ func simulate(t *testing.T, s schedule) (map[string][]string, []record) {
 			}
 		}()
 		synctest.Test(t, func(*testing.T) {
-			r.run()
+			if s.Cluster != nil {
+				r.runCluster()
+			} else {
+				r.run()
+			}
 			if *simSeed >= 0 {
 				// Replaying: name the goroutines left, if any.
 				synctest.Wait()
@@ -512,6 +531,37 @@ func (r *simRun) limitAt(at time.Duration) Limit {
 	return l
 }
 
+// scriptRan records a call of the bucket script the server ran for slot
+// tag: when, and the tokens of a charge.
+func (r *simRun) scriptRan(tag int, key string, argv []string, reply any) {
+	r.mu.Lock()
+	k := answeredKey{tag, strings.TrimPrefix(key, DefaultPrefix)}
+	r.answered[k] = append(r.answered[k], r.since())
+	r.mu.Unlock()
+	if again, _ := reply.([]any); len(again) > 0 && again[0] == int64(4) {
+		return // a charge applied before: nothing taken
+	}
+	if len(argv) > 4 && argv[4] == "charge" {
+		var units, p int64
+		fmt.Sscan(argv[3], &units)
+		fmt.Sscan(argv[1], &p)
+		if units > 0 && p > 0 {
+			r.mu.Lock()
+			r.charges = append(r.charges, charge{tag, strings.TrimPrefix(key, DefaultPrefix), units, p, r.since()})
+			r.mu.Unlock()
+		}
+	}
+}
+
+// heartbeatRan records slot tag's first heartbeat the server ran.
+func (r *simRun) heartbeatRan(tag int) {
+	r.mu.Lock()
+	if _, ok := r.heard[tag]; !ok {
+		r.heard[tag] = r.since()
+	}
+	r.mu.Unlock()
+}
+
 func (r *simRun) run() {
 	s := r.s
 	r.t0 = time.Now()
@@ -526,33 +576,9 @@ func (r *simRun) run() {
 	r.plan()
 	r.srv = simredis.New()
 	r.answered = map[answeredKey][]time.Duration{}
-	r.srv.Hook = func(tag int, key string, argv []string, reply any) {
-		r.mu.Lock()
-		k := answeredKey{tag, strings.TrimPrefix(key, DefaultPrefix)}
-		r.answered[k] = append(r.answered[k], r.since())
-		r.mu.Unlock()
-		if again, _ := reply.([]any); len(again) > 0 && again[0] == int64(4) {
-			return // a charge applied before: nothing taken
-		}
-		if len(argv) > 4 && argv[4] == "charge" {
-			var units, p int64
-			fmt.Sscan(argv[3], &units)
-			fmt.Sscan(argv[1], &p)
-			if units > 0 && p > 0 {
-				r.mu.Lock()
-				r.charges = append(r.charges, charge{tag, strings.TrimPrefix(key, DefaultPrefix), units, p, r.since()})
-				r.mu.Unlock()
-			}
-		}
-	}
+	r.srv.Hook = r.scriptRan
 	r.heard = map[int]time.Duration{}
-	r.srv.FleetHook = func(tag int) {
-		r.mu.Lock()
-		if _, ok := r.heard[tag]; !ok {
-			r.heard[tag] = r.since()
-		}
-		r.mu.Unlock()
-	}
+	r.srv.FleetHook = r.heartbeatRan
 	r.links = make([]*simnet.Link, s.Slots)
 	for i := range r.links {
 		r.links[i] = simnet.NewLink()
@@ -837,7 +863,7 @@ func (r *simRun) call(in *instance, i int, key string, n int64, dl time.Duration
 	if err == nil && !d.Allowed && d.Mode == ModeRemote && rec.end == rec.start && !r.changes() {
 		l := r.limitAt(rec.end)
 		if rl, lerr := remote.NewLimit(l.Rate, l.Burst); lerr == nil {
-			if r.srv.Level(DefaultPrefix+key, rl.Q, rl.P, rl.Cap()) >= n*rl.P {
+			if r.level(DefaultPrefix+key, rl.Q, rl.P, rl.Cap()) >= n*rl.P {
 				rec.staleDeny = true
 			}
 		}
@@ -1043,6 +1069,7 @@ func (r *simRun) check(v map[string][]string) {
 	r.checkFloor(add)
 	r.checkExact(add)
 	r.checkCharges(add)
+	r.checkFailover(add)
 }
 
 // observed returns when the server last ran a script call of slot i on
@@ -1544,7 +1571,8 @@ func runChildren(t *testing.T, procs int) []seedResult {
 		go func() {
 			defer wg.Done()
 			cmd := exec.Command(exe, "-test.run=^TestSim$", "-test.count=1", "-test.timeout=0",
-				"-sim.child", fmt.Sprintf("-sim.first=%d", lo), fmt.Sprintf("-sim.seeds=%d", hi-lo))
+				"-sim.child", fmt.Sprintf("-sim.first=%d", lo), fmt.Sprintf("-sim.seeds=%d", hi-lo),
+				fmt.Sprintf("-sim.cluster=%v", *simClusterShare))
 			cmd.Env = append(os.Environ(), "GOMAXPROCS=1")
 			out, err := cmd.CombinedOutput()
 			var got []seedResult

@@ -71,6 +71,11 @@ type Server struct {
 	// FleetHook, if not nil, is called like Hook after every call of the
 	// fleet script (a heartbeat).
 	FleetHook func(tag int)
+
+	// Set by a Cluster (cluster.go) before serving; nil on a lone server.
+	moved      func(key string) string    // "MOVED slot addr" if the node does not own key's slot
+	clusterCmd func(args []string) any    // CLUSTER
+	wrote      func(key string, v *value) // after a command wrote key (v nil: deleted), for the replica
 }
 
 // New returns an empty Server with an empty script cache.
@@ -297,11 +302,21 @@ func (s *Server) do(w *bufio.Writer, args []string, tag int) {
 // command runs one command. command requires that s.mu is held.
 func (s *Server) command(args []string, tag int) any {
 	now := s.now()
+	if m := s.redirect(args); m != "" {
+		return rerror(m)
+	}
 	switch strings.ToUpper(args[0]) {
 	case "PING":
 		return status("PONG")
-	case "CLIENT", "SELECT", "READONLY":
+	case "CLIENT", "SELECT", "READONLY", "READWRITE", "ASKING":
 		return status("OK")
+	case "COMMAND":
+		return commandTable
+	case "CLUSTER":
+		if s.clusterCmd == nil {
+			return rerror("ERR This instance has cluster support disabled")
+		}
+		return s.clusterCmd(args)
 	case "TIME":
 		us := now.UnixMicro()
 		return []any{strconv.FormatInt(us/1e6, 10), strconv.FormatInt(us%1e6, 10)}
@@ -322,6 +337,7 @@ func (s *Server) command(args []string, tag int) any {
 		for _, k := range args[1:] {
 			if s.get(now, k) != nil {
 				delete(s.data, k)
+				s.replicate(k)
 				n++
 			}
 		}
@@ -384,12 +400,17 @@ func (s *Server) command(args []string, tag int) any {
 			}
 			argv := args[3+nk:]
 			reply := s.bucket(now, args[3], marker, argv)
+			s.replicate(args[3])
+			if marker != "" {
+				s.replicate(marker)
+			}
 			if s.Hook != nil {
 				s.Hook(tag, args[3], argv, reply)
 			}
 			return reply
 		}
 		reply := s.fleet(now, args[3], args[4:])
+		s.replicate(args[3])
 		if s.FleetHook != nil {
 			s.FleetHook(tag)
 		}
@@ -397,6 +418,33 @@ func (s *Server) command(args []string, tag int) any {
 	}
 	return rerror(fmt.Sprintf("ERR unknown command '%s', with args beginning with: ", args[0]))
 }
+
+// commandTable is COMMAND's reply for the commands the server knows, in
+// Redis 5's shape (name, arity, flags, first key, last key, step), which
+// go-redis's ClusterClient reads to find a command's key.
+var commandTable = func() []any {
+	var t []any
+	for _, c := range []struct {
+		name        string
+		arity       int64
+		flag        string
+		first, last int64
+	}{
+		{"get", 2, "readonly", 1, 1}, {"del", -2, "write", 1, -1}, {"pttl", 2, "readonly", 1, 1},
+		{"eval", -3, "movablekeys", 0, 0}, {"evalsha", -3, "movablekeys", 0, 0},
+		{"script", -2, "noscript", 0, 0}, {"cluster", -2, "stale", 0, 0}, {"ping", -1, "fast", 0, 0},
+		{"time", 1, "fast", 0, 0}, {"client", -2, "noscript", 0, 0}, {"hello", -1, "fast", 0, 0},
+		{"command", -1, "loading", 0, 0}, {"readonly", 1, "fast", 0, 0}, {"asking", 1, "fast", 0, 0},
+		{"select", 2, "fast", 0, 0},
+	} {
+		step := int64(0)
+		if c.first > 0 {
+			step = 1
+		}
+		t = append(t, []any{c.name, c.arity, []any{status(c.flag)}, c.first, c.last, step})
+	}
+	return t
+}()
 
 // number is Lua's tonumber on a string: nil (ok false) when it is not one.
 func number(s string) (float64, bool) {
