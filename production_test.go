@@ -439,7 +439,8 @@ func isTake(cmd redis.Cmder) bool {
 		return false
 	}
 	s, _ := args[1].(string)
-	return s == remote.Hash() || s == lua.TokenBucket
+	fn, _ := remote.FunctionNames()
+	return s == remote.Hash() || s == lua.TokenBucket || s == fn // EVALSHA, EVAL, FCALL
 }
 
 func (h *takeCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
