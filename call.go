@@ -109,10 +109,15 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 		res, err = pipe.Do(rctx, req)
 	}
 	o, verdict := lim.classify(ctx, err, budget)
-	if verdict == breaker.Failure {
+	switch verdict {
+	case breaker.Failure:
 		// The prober probes the node on the last key that failed there.
 		nd.probe.Store(&probe{key: req.Key, rl: req.Limit})
 		nd.failed.Store(lim.cfg.now().UnixNano())
+		nd.failing.Store(true)
+		lim.relayoutAfterFailure()
+	case breaker.Success:
+		nd.failing.Store(false)
 	}
 	if o == badValue {
 		lim.cfg.Logger.Error("hybridlimit: remote call failed", "key", req.Key, "err", err)

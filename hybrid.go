@@ -161,6 +161,7 @@ type Limiter struct {
 	// is under way, and its own node clients (protected by mu).
 	layout  atomic.Pointer[layout]
 	reading atomic.Bool
+	relaid  atomic.Int64 // when a failed call last had the layout read (lim.cfg.now, Unix ns)
 	own     map[string]*redis.Client
 
 	// For a Cluster: mapped is set once go-redis has loaded the slot
@@ -199,6 +200,11 @@ type node struct {
 	// restart without its data fails the calls sent meanwhile), so it
 	// answers no cached denial.
 	failed atomic.Int64
+	// failing is set while the node's last call failed. A Cluster node's
+	// keys are then routed by the limiter's own layout (override): an
+	// instance whose traffic is too sparse to open the breaker would
+	// otherwise follow go-redis to a master that failed over, for good.
+	failing atomic.Bool
 	// direct is the pipe of a Cluster node's probes, to its own address;
 	// made once, by the prober (probePipe).
 	once   sync.Once

@@ -48,14 +48,7 @@ const layoutTimeout = 500 * time.Millisecond
 // what this instance spent on them locally is charged (masterFor).
 func (lim *Limiter) relayout() {
 	lim.cluster.ReloadState(lim.ctx)
-	if lim.reading.CompareAndSwap(false, true) {
-		lim.wg.Go(func() {
-			defer lim.reading.Store(false)
-			if l := lim.readLayout(); l != nil {
-				lim.layout.Store(l)
-			}
-		})
-	}
+	lim.startReading()
 	for _, nd := range *lim.nodes.Load() {
 		p := nd.probe.Load()
 		if nd.cb.State() == breaker.StateClosed || p == nil {
@@ -64,6 +57,38 @@ func (lim *Limiter) relayout() {
 		if now := lim.route(p.key); now != nil && now != nd {
 			lim.forget(nd)
 		}
+	}
+}
+
+// startReading starts a reading of the layout, unless one is under way.
+func (lim *Limiter) startReading() {
+	if lim.reading.CompareAndSwap(false, true) {
+		lim.wg.Go(func() {
+			defer lim.reading.Store(false)
+			if l := lim.readLayout(); l != nil {
+				lim.layout.Store(l)
+			}
+		})
+	}
+}
+
+// relayoutAfterFailure reads a Cluster's layout again after a failed call,
+// at most once per reloadEvery. The prober reads it while a breaker is open,
+// but an instance whose calls to a node are too few to open its breaker (a
+// quiet key, a large fleet) would never learn that the node's slots moved
+// to its replica, and would wait its budget on every decision there.
+func (lim *Limiter) relayoutAfterFailure() {
+	if lim.cluster == nil {
+		return
+	}
+	now, last := lim.cfg.now().UnixNano(), lim.relaid.Load()
+	if now-last < int64(reloadEvery) || !lim.relaid.CompareAndSwap(last, now) {
+		return
+	}
+	lim.mu.Lock()
+	defer lim.mu.Unlock()
+	if !lim.closed.Load() {
+		lim.startReading()
 	}
 }
 
@@ -217,7 +242,8 @@ func (lim *Limiter) ownClient(addr string) *redis.Client {
 // override returns the address that key's slot should be routed to
 // instead of addr, go-redis's choice, or "" if none: the master the
 // limiter's own layout names, when go-redis's node is not usable (its
-// breaker is not closed, or it was forgotten) and the layout differs.
+// breaker is not closed, its last call failed, or it was forgotten) and
+// the layout differs.
 func (lim *Limiter) override(key, addr string) string {
 	l := lim.layout.Load()
 	if l == nil {
@@ -227,7 +253,7 @@ func (lim *Limiter) override(key, addr string) string {
 	if own == "" || own == addr {
 		return ""
 	}
-	if nd := (*lim.nodes.Load())[addr]; nd != nil && nd.cb.State() == breaker.StateClosed {
+	if nd := (*lim.nodes.Load())[addr]; nd != nil && nd.cb.State() == breaker.StateClosed && !nd.failing.Load() {
 		return ""
 	}
 	return own
