@@ -1518,7 +1518,7 @@ func TestSim(t *testing.T) {
 	if any {
 		for _, name := range invariants {
 			if seeds := failed[name]; len(seeds) > 0 {
-				t.Errorf("invariant %s failed on %d seeds; replay one: go test -run 'TestSim$' -sim.seed=%d -v .", name, len(seeds), seeds[0])
+				t.Errorf("invariant %s failed on %d seeds; replay one: go test -run 'TestSim$'%s -sim.seed=%d -v .", name, len(seeds), replayFlags(), seeds[0])
 			}
 		}
 	}
@@ -1602,7 +1602,7 @@ func runChildren(t *testing.T, procs int) []seedResult {
 // invariant the whole schedule failed.
 func replay(t *testing.T, seed uint64) {
 	s := genSchedule(seed)
-	t.Logf("replay: go test -run 'TestSim$' -sim.seed=%d -v .\n%v", seed, s)
+	t.Logf("replay: go test -run 'TestSim$'%s -sim.seed=%d -v .\n%v", replayFlags(), seed, s)
 	v, recs := simulate(t, s)
 	if *simTrace {
 		last := map[[2]any]Mode{}
@@ -1652,4 +1652,13 @@ func replay(t *testing.T, seed uint64) {
 		t.Log("the shrunk schedule fails:")
 		report(w)
 	}
+}
+
+// replayFlags returns the flags besides the seed that a replay needs: a
+// seed draws a Cluster run or not by the share of Cluster runs.
+func replayFlags() string {
+	if *simClusterShare == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" -sim.cluster=%v", *simClusterShare)
 }
