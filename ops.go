@@ -137,9 +137,16 @@ func (lim *Limiter) Reset(ctx context.Context, key string) error {
 	// and the reset's own answer, later in Redis's time than any of
 	// theirs, is what later answers are ordered against.
 	lim.shares.Reset(key)
-	lim.reconciling <- struct{}{}
-	delete(lim.unanswered, key) // nothing owed on it any more
-	<-lim.reconciling
+	// A reconcile holds the token across its charges' round trips: the
+	// caller's deadline bounds the wait for it.
+	select {
+	case lim.reconciling <- struct{}{}:
+		delete(lim.unanswered, key) // nothing owed on it any more
+		<-lim.reconciling
+	case <-ctx.Done():
+		return fmt.Errorf("%w: reset of %q: %w while charges were being sent; charges owed on the key may still follow the reset",
+			ErrUnavailable, key, ctx.Err())
+	}
 	switch {
 	case err != nil:
 		return err

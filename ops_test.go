@@ -49,6 +49,28 @@ func TestResetClearsCachedDenial(t *testing.T) {
 	}
 }
 
+// TestResetBehindAReconcile: a reconcile sending its charges holds the
+// token that Reset needs to drop the key's owed charges; Reset waits for it
+// no longer than its caller's deadline, and says what was left undone.
+func TestResetBehindAReconcile(t *testing.T) {
+	_, c := miniClient(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerMinute(10), Instances: 1, Heartbeat: -1})
+	lim.reconciling <- struct{}{} // a reconcile under way, its charges unanswered
+	defer func() { <-lim.reconciling }()
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- lim.Reset(ctx, "k") }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrUnavailable) || !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("Reset behind a reconcile = %v; want ErrUnavailable and the caller's deadline", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Reset behind a reconcile still waiting 5s after its 200ms deadline")
+	}
+}
+
 // TestResetWhileRedisIsDown: Reset forgets the local bucket and the lease
 // even when Redis cannot confirm, and says so with ErrUnavailable.
 func TestResetWhileRedisIsDown(t *testing.T) {
