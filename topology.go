@@ -72,17 +72,24 @@ func (lim *Limiter) startReading() {
 	}
 }
 
+// failedLayoutEvery bounds the layout reads that failed calls start: a read
+// asks every node at once, and a latency spike that fails calls on every
+// instance of a large fleet must not multiply into reads of a Cluster that
+// is slow already. A quiet instance needs one read per failover.
+const failedLayoutEvery = time.Second
+
 // relayoutAfterFailure reads a Cluster's layout again after a failed call,
-// at most once per reloadEvery. The prober reads it while a breaker is open,
-// but an instance whose calls to a node are too few to open its breaker (a
-// quiet key, a large fleet) would never learn that the node's slots moved
-// to its replica, and would wait its budget on every decision there.
+// at most once per failedLayoutEvery. The prober reads it while a breaker is
+// open, but an instance whose calls to a node are too few to open its
+// breaker (a quiet key, a large fleet) would never learn that the node's
+// slots moved to its replica, and would wait its budget on every decision
+// there.
 func (lim *Limiter) relayoutAfterFailure() {
 	if lim.cluster == nil {
 		return
 	}
 	now, last := lim.cfg.now().UnixNano(), lim.relaid.Load()
-	if now-last < int64(reloadEvery) || !lim.relaid.CompareAndSwap(last, now) {
+	if now-last < int64(failedLayoutEvery) || !lim.relaid.CompareAndSwap(last, now) {
 		return
 	}
 	lim.mu.Lock()
