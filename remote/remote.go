@@ -86,6 +86,10 @@ type Pipe struct {
 	parked atomic.Int32  // sender goroutines parked on lone, or about to be
 	slots  chan struct{} // one token per batch in flight that a caller still waits for
 	done   chan struct{}
+	// ctx is cancelled when Close begins: the background work of tend
+	// derives from it, so that Close does not wait out its time-outs.
+	ctx    context.Context
+	cancel context.CancelFunc
 	boxed  atomic.Pointer[boxed]
 	// pool holds answered calls for reuse. It is the Pipe's own, not the
 	// package's: a call holds a channel, and a channel must not pass
@@ -183,6 +187,7 @@ func NewPipe(c redis.UniversalClient, inflight int, n *Node) *Pipe {
 		slots:  make(chan struct{}, inflight),
 		done:   make(chan struct{}),
 	}
+	p.ctx, p.cancel = context.WithCancel(context.Background())
 	p.wg.Add(1)
 	go p.dispatch()
 	return p
@@ -382,6 +387,7 @@ func (p *Pipe) Close() {
 	if !p.closed {
 		p.closed = true
 		close(p.done)
+		p.cancel()
 	}
 	p.mu.Unlock()
 	p.wg.Wait()
@@ -590,7 +596,7 @@ func (p *Pipe) tend(key string) {
 	go func() {
 		defer p.wg.Done()
 		defer n.busy.Store(false)
-		ctx, cancel := context.WithTimeout(context.Background(), checkFor)
+		ctx, cancel := context.WithTimeout(p.ctx, checkFor)
 		defer cancel()
 		n.tendNow(ctx, nodeClient(ctx, p.c, key))
 	}()
