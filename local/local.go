@@ -259,7 +259,9 @@ func newLimiter(at time.Time, r rate.Limit, burst int, tokens float64) *rate.Lim
 func (s *Shares) Observe(at time.Time, redisTime int64, key string, tokens, rate, burst float64) {
 	sh := s.shard(key)
 	sh.mu.Lock()
-	b := sh.entry(at, key, true)
+	// No part: Count, which runs first where key shares are in use, makes
+	// the entry with one; without them a part would be 144 idle bytes.
+	b := sh.entry(at, key, false)
 	if redisTime >= b.order || b.order-redisTime > 1e6 {
 		b.tokens, b.rate, b.size, b.seen, b.order = tokens, rate, burst, s.mono(at), redisTime
 	}

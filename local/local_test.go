@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"golang.org/x/time/rate"
+
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // t0 is the start of every test's clock; times are offsets from it.
@@ -689,5 +691,21 @@ func TestDrainAcrossLimitChange(t *testing.T) {
 	// refill of 20/s, in a bucket below its burst of 100.
 	if math.Abs(got-1) > 1e-9 {
 		t.Errorf("Drain after a raised limit = %v; want 1, the token taken after the change", got)
+	}
+}
+
+// TestObserveHoldsNoPart: what Redis said of a key is kept without a part
+// of its consumption, which only Count, used where key shares are in use,
+// adds: a Limiter without heartbeats would keep 144 idle bytes per key.
+func TestObserveHoldsNoPart(t *testing.T) {
+	s := New(0)
+	s.Observe(t0, 1, "observed", 5, 10, 10)
+	if b := s.shard("observed").m["observed"]; b == nil || b.part != nil {
+		t.Errorf("entry after Observe = %+v; want one without a part", b)
+	}
+	s.Count(t0, "counted", remote.Limit{Q: 1, P: 100000, Burst: 10}, 1_000_000, 1, 5, 0)
+	s.Observe(t0, 1, "counted", 5, 10, 10)
+	if b := s.shard("counted").m["counted"]; b == nil || b.part == nil {
+		t.Errorf("entry after Count and Observe = %+v; want one with a part", b)
 	}
 }
