@@ -709,3 +709,39 @@ func TestObserveHoldsNoPart(t *testing.T) {
 		t.Errorf("entry after Count and Observe = %+v; want one with a part", b)
 	}
 }
+
+// TestPartOutlastsAnswers: a key's part of its consumption stays what its
+// last answers said when the fleet's view moves on past them, as it does
+// while heartbeats reach Redis and the key's node does not (another
+// Cluster shard down, or a Redis slow for decisions only): a sticky key
+// keeps its share through the outage instead of falling to the weight.
+func TestPartOutlastsAnswers(t *testing.T) {
+	const every = 200_000 // µs: windows of 200 ms
+	lim, err := remote.NewLimit(1000, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := New(0)
+	level, now := int64(0), int64(1_000_000_000)
+	for range 30_000 { // 3 s, a call every 100 µs at 10 × the limit, every one this instance's
+		next := now + 100
+		level = min(level+lim.Q*(next-now), lim.Burst*lim.P)
+		now = next
+		took := int64(0)
+		if level >= lim.P {
+			level -= lim.P
+			took = lim.P
+		}
+		s.Count(t0, "k", lim, every, now, level, took)
+	}
+	e := now/every - 2
+	if p, near, ok := s.Part("k", e); !ok || !near || p < 0.95 {
+		t.Fatalf("Part(k, %d) = %.3f, near %v, ok %v; want at least 0.95, near", e, p, near, ok)
+	}
+	for _, later := range []int64{e + 2, e + 10, e + 1000} {
+		if p, near, ok := s.Part("k", later); !ok || !near || p < 0.95 {
+			t.Errorf("Part(k, %d), the view %d windows past the last answers = %.3f, near %v, ok %v; want the last part, at least 0.95",
+				later, later-e-1, p, near, ok)
+		}
+	}
+}

@@ -182,6 +182,10 @@ func (pt *Part) At(e int64) (part float64, near, ok bool) {
 	return float64(v-1) / partScale, pt.near&pt.dense&bit != 0, true
 }
 
+// Last returns the last span that has a part to ask At for, if any: the
+// span of the windows that end with the one before the latest answer's.
+func (pt *Part) Last() int64 { return pt.cur - 1 }
+
 // nearEmpty returns the level under which the bucket counts as near empty:
 // less than a window's refill, or half the burst if that is less.
 func nearEmpty(lim Limit, every int64) int64 {
