@@ -535,8 +535,12 @@ func TestLoneSenders(t *testing.T) {
 	for range n {
 		take()
 	}
-	if started := goroutinesCreated() - before; started > 2 {
-		t.Errorf("%d lone calls started %d goroutines; want at most 2", n, started)
+	// The answer reaches the caller before its sender waits again, so a
+	// caller that sends its next call at once can find no sender waiting
+	// and start one (the two then leave one parked): 0 to 3 times in 50
+	// under -race. One goroutine per call, 50, is what the test rules out.
+	if started := goroutinesCreated() - before; started > n/10 {
+		t.Errorf("%d lone calls started %d goroutines; want at most %d", n, started, n/10)
 	}
 	p.Close()
 	if parked := p.parked.Load(); parked != 0 {
