@@ -544,3 +544,45 @@ func TestKeySharesSumToAtMostOnePlus(t *testing.T) {
 		t.Errorf("sticky key: shares add up to %v; want %v", sum, want)
 	}
 }
+
+// TestKeySharesOfAFleetSumBelowTheReserve: the key shares the instances of
+// a fleet would hold for one key, each (1-evenPart) × its part plus the
+// even part of its view (keyWeight), add up to at most 1 - reservePart for
+// any parts that add up to at most 1, whatever the traffic and however many
+// others reported in either window: the reserve stays for newcomers.
+func TestKeySharesOfAFleetSumBelowTheReserve(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	worst := 0.0
+	for trial := range 5000 {
+		n := 1 + r.IntN(40)                      // counted in both windows
+		others1, others2 := r.IntN(5), r.IntN(5) // reported in one window only
+		mine1, mine2 := make([]int64, n), make([]int64, n)
+		total1, total2 := r.Int64N(100), r.Int64N(100) // the others' traffic
+		for i := range n {
+			mine1[i], mine2[i] = r.Int64N(100), r.Int64N(100)
+			total1 += mine1[i]
+			total2 += mine2[i]
+		}
+		parts := make([]float64, n)
+		var psum float64
+		for i := range parts {
+			parts[i] = r.ExpFloat64()
+			psum += parts[i]
+		}
+		scale := (1 - r.Float64()*r.Float64()) / psum
+		var sum float64
+		for i := range n {
+			v1 := weigh(remote.Heartbeat{Window: 10, Reporters: int64(n + others1), Total: total1}, mine1[i], &fleet{})
+			v2 := weigh(remote.Heartbeat{Window: 11, Reporters: int64(n + others2), Total: total2}, mine2[i], v1)
+			if !v2.counted || v2.even == 0 {
+				t.Fatalf("trial %d: instance %d counted in both windows has view %+v; want counted, with an even part", trial, i, v2)
+			}
+			sum += (1-evenPart)*parts[i]*scale + v2.even
+		}
+		if sum > 1-reservePart+1e-9 {
+			t.Fatalf("trial %d: %d instances: key shares add up to %v; want at most %v", trial, n, sum, 1-reservePart)
+		}
+		worst = max(worst, sum)
+	}
+	t.Logf("largest sum of key shares: %.4f (bound %.2f)", worst, 1-reservePart)
+}
