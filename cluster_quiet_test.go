@@ -2,7 +2,6 @@ package hybridlimit
 
 import (
 	"context"
-	"net"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -30,16 +29,7 @@ func TestQuietFailover(t *testing.T) {
 		for i := range links {
 			links[i] = simnet.NewLink()
 		}
-		client := redis.NewClusterClient(&redis.ClusterOptions{
-			Addrs: cl.Addrs(),
-			Dialer: func(_ context.Context, _, addr string) (net.Conn, error) {
-				n, i := cl.Node(addr)
-				if n == nil {
-					return nil, &net.OpError{Op: "dial", Net: "sim", Err: net.UnknownNetworkError(addr)}
-				}
-				return links[i].Dial(func(c net.Conn) { n.Serve(c, 0) })
-			},
-		})
+		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0)})
 		defer client.Close()
 		ctx := context.Background()
 		// go-redis reads COMMAND once, under a mutex, from a random node:

@@ -250,12 +250,8 @@ func (r *simRun) runCluster() {
 	start := func(i int) {
 		client := redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs: cl.Addrs(),
-			Dialer: func(_ context.Context, _, addr string) (net.Conn, error) {
-				n, ni := cl.Node(addr)
-				if n == nil {
-					return nil, &net.OpError{Op: "dial", Net: "sim", Err: net.UnknownNetworkError(addr)}
-				}
-				c, err := sc.links[i][ni].Dial(func(c net.Conn) { n.Serve(c, i) })
+			Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
+				c, err := cl.Dialer(sc.links[i], i)(ctx, network, addr)
 				if err != nil || !s.TLS {
 					return c, err
 				}

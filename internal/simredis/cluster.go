@@ -1,6 +1,7 @@
 package simredis
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"slices"
@@ -10,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/hybridlimit/hybridlimit/internal/simnet"
 	"github.com/hybridlimit/hybridlimit/remote"
 )
 
@@ -323,5 +325,18 @@ func (s *Server) redirect(args []string) string {
 func (s *Server) replicate(key string) {
 	if s.wrote != nil {
 		s.wrote(key, s.data[key])
+	}
+}
+
+// Dialer returns a go-redis dialer (ClusterOptions.Dialer) to c's nodes
+// over links, one per node (links[i] reaches c.Nodes[i]); the nodes serve
+// each connection as tag's (see Server.Serve).
+func (c *Cluster) Dialer(links []*simnet.Link, tag int) func(context.Context, string, string) (net.Conn, error) {
+	return func(_ context.Context, _, addr string) (net.Conn, error) {
+		n, i := c.Node(addr)
+		if n == nil {
+			return nil, &net.OpError{Op: "dial", Net: "sim", Err: net.UnknownNetworkError(addr)}
+		}
+		return links[i].Dial(func(conn net.Conn) { n.Serve(conn, tag) })
 	}
 }

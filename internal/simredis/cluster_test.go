@@ -2,7 +2,6 @@ package simredis
 
 import (
 	"context"
-	"net"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -20,16 +19,7 @@ func clusterClient(c *Cluster) (*redis.ClusterClient, []*simnet.Link) {
 	for i := range links {
 		links[i] = simnet.NewLink()
 	}
-	cc := redis.NewClusterClient(&redis.ClusterOptions{
-		Addrs: c.Addrs(),
-		Dialer: func(_ context.Context, _, addr string) (net.Conn, error) {
-			n, i := c.Node(addr)
-			if n == nil {
-				return nil, &net.OpError{Op: "dial", Net: "sim", Err: net.UnknownNetworkError(addr)}
-			}
-			return links[i].Dial(func(conn net.Conn) { n.Serve(conn, 0) })
-		},
-	})
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs(), Dialer: c.Dialer(links, 0)})
 	return cc, links
 }
 
