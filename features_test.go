@@ -543,6 +543,17 @@ func TestKeySharesSumToAtMostOnePlus(t *testing.T) {
 	if want := 0.99 + 0.47; math.Abs(sum-want) > 1e-9 {
 		t.Errorf("sticky key: shares add up to %v; want %v", sum, want)
 	}
+	// One of four even instances whose measured part fell under its
+	// weight (a lower bound, scattered from 0.15 to 0.29 around 0.25)
+	// keeps its weight: taking the part left the fleet under the limit.
+	if got := keyShare(0.247, 0.15, true, true); got != 0.247 {
+		t.Errorf("keyShare(weight 0.247, key share 0.15, near) = %v; want the weight", got)
+	}
+	// An instance whose weight comes from another key takes its measured
+	// share of a busy key it served a third of.
+	if got := keyShare(0.53, 0.32, true, true); got != 0.32 {
+		t.Errorf("keyShare(weight 0.53, key share 0.32, near) = %v; want the key share", got)
+	}
 }
 
 // TestKeySharesOfAFleetSumBelowTheReserve: the key shares the instances of
