@@ -154,7 +154,7 @@ func TestKeySharePathAllocs(t *testing.T) {
 		lim.Allow(ctx, "warm")
 	}
 	lim.view.Store(&fleet{weight: 0.5, size: 2, window: 1_800_000_000, even: 0.045, counted: true})
-	lim.shares.Count(time.Now(), "k", lim.limit.Load().rl, 1_000_000, 1, 1, 0)
+	lim.shares.Count(time.Now(), "k", lim.limit.Load().rl, 1_000_000, 1, 1, 0, true)
 	lim.Allow(ctx, "k")
 	if n := testing.AllocsPerRun(1000, func() { lim.Allow(ctx, "k") }); n != 0 {
 		t.Errorf("a local decision allocates %v times; want 0", n)

@@ -645,13 +645,12 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 // local bucket starts from it if Redis fails, cached answers denials from
 // it, and it counts for this instance's part of the key (see keyWeight).
 func (lim *Limiter) observe(sent time.Time, key string, rl remote.Limit, res remote.Result, took int64) {
-	if lim.heart != nil && !lim.cfg.noKeyShares {
-		lim.shares.Count(sent, key, rl, lim.heart.every.Microseconds(), res.Now, res.Level, took)
+	switch {
+	case lim.heart != nil && !lim.cfg.noKeyShares:
+		lim.shares.Count(sent, key, rl, lim.heart.every.Microseconds(), res.Now, res.Level, took, !lim.cfg.noHandoff)
+	case !lim.cfg.noHandoff:
+		lim.shares.Observe(sent, res.Now, key, rl.Tokens(res.Level), rl.Rate(), float64(rl.Burst))
 	}
-	if lim.cfg.noHandoff {
-		return
-	}
-	lim.shares.Observe(sent, res.Now, key, rl.Tokens(res.Level), rl.Rate(), float64(rl.Burst))
 }
 
 // cached answers a decision that Redis would deny, from what Redis said of

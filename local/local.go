@@ -262,16 +262,24 @@ func (s *Shares) Observe(at time.Time, redisTime int64, key string, tokens, rate
 	// No part: Count, which runs first where key shares are in use, makes
 	// the entry with one; without them a part would be 144 idle bytes.
 	b := sh.entry(at, key, false)
+	s.record(b, at, redisTime, tokens, rate, burst)
+	sh.mu.Unlock()
+}
+
+// record is Observe's record of an answer in b. record requires that the
+// shard's mu is held.
+func (s *Shares) record(b *bucket, at time.Time, redisTime int64, tokens, rate, burst float64) {
 	if redisTime >= b.order || b.order-redisTime > 1e6 {
 		b.tokens, b.rate, b.size, b.seen, b.order = tokens, rate, burst, s.mono(at), redisTime
 	}
-	sh.mu.Unlock()
 }
 
 // Count records the answer to one of this instance's calls on key for its
 // part of the key's consumption: see remote.Part.Add, whose arguments
-// follow key. at is when the call was sent, as for Observe.
-func (s *Shares) Count(at time.Time, key string, lim remote.Limit, every, now, level, took int64) {
+// follow key. at is when the call was sent, as for Observe. With handoff,
+// it also records the answer as Observe does, under the same lock: one
+// lock per answer on the decisions' path.
+func (s *Shares) Count(at time.Time, key string, lim remote.Limit, every, now, level, took int64, handoff bool) {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	b := sh.entry(at, key, true)
@@ -279,6 +287,9 @@ func (s *Shares) Count(at time.Time, key string, lim remote.Limit, every, now, l
 		b.part = new(remote.Part) // the key had a local bucket first
 	}
 	b.part.Add(lim, every, now, level, took)
+	if handoff {
+		s.record(b, at, now, lim.Tokens(level), lim.Rate(), float64(lim.Burst))
+	}
 	sh.mu.Unlock()
 }
 

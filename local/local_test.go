@@ -703,7 +703,7 @@ func TestObserveHoldsNoPart(t *testing.T) {
 	if b := s.shard("observed").m["observed"]; b == nil || b.part != nil {
 		t.Errorf("entry after Observe = %+v; want one without a part", b)
 	}
-	s.Count(t0, "counted", remote.Limit{Q: 1, P: 100000, Burst: 10}, 1_000_000, 1, 5, 0)
+	s.Count(t0, "counted", remote.Limit{Q: 1, P: 100000, Burst: 10}, 1_000_000, 1, 5, 0, true)
 	s.Observe(t0, 1, "counted", 5, 10, 10)
 	if b := s.shard("counted").m["counted"]; b == nil || b.part == nil {
 		t.Errorf("entry after Count and Observe = %+v; want one with a part", b)
@@ -732,7 +732,7 @@ func TestPartOutlastsAnswers(t *testing.T) {
 			level -= lim.P
 			took = lim.P
 		}
-		s.Count(t0, "k", lim, every, now, level, took)
+		s.Count(t0, "k", lim, every, now, level, took, false)
 	}
 	e := now/every - 2
 	if p, near, ok := s.Part("k", e); !ok || !near || p < 0.95 {
@@ -743,5 +743,20 @@ func TestPartOutlastsAnswers(t *testing.T) {
 			t.Errorf("Part(k, %d), the view %d windows past the last answers = %.3f, near %v, ok %v; want the last part, at least 0.95",
 				later, later-e-1, p, near, ok)
 		}
+	}
+}
+
+// TestCountRecordsTheHandoff: Count, with handoff, records what Observe
+// would, under the one lock it takes; without, only the part.
+func TestCountRecordsTheHandoff(t *testing.T) {
+	s := New(0)
+	lim := remote.Limit{Q: 1, P: 100000, Burst: 10}
+	s.Count(t0, "with", lim, 1_000_000, 1, 5*lim.P, 0, true)
+	if tokens, rate, _, ok := s.Seen("with"); !ok || tokens != 5 || rate != lim.Rate() {
+		t.Errorf("Seen after Count with handoff = %v, %v, ok %v; want 5 tokens at %v/s", tokens, rate, ok, lim.Rate())
+	}
+	s.Count(t0, "without", lim, 1_000_000, 1, 5*lim.P, 0, false)
+	if _, _, _, ok := s.Seen("without"); ok {
+		t.Errorf("Seen after Count without handoff: ok; want nothing recorded")
 	}
 }
