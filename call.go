@@ -33,6 +33,11 @@ const (
 	// callerGone: the caller's context was cancelled, or Close began,
 	// before an answer came: there is nothing to decide.
 	callerGone
+	// moved: a Cluster node no longer owns the key's slot: the call was
+	// abandoned (watch), or the node forgotten while the call waited, to
+	// go to the new master. Whatever the old master runs is on data the
+	// takeover left behind.
+	moved
 )
 
 // pass says in which breaker state a call may go to its node.
@@ -68,38 +73,78 @@ const (
 // (under minJudged) keeps it out. A cancelled caller is never Redis's
 // fault.
 func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Request) (remote.Result, outcome) {
+	budget := lim.budget(ctx)
 	if p == underProbe {
-		res, o, _ := lim.send(ctx, nd, nd.pipe, req)
+		res, o, _ := lim.send(ctx, nd, nd.pipe, req, budget, false)
 		return res, o
 	}
 	if nd.cb.State() != breaker.StateClosed {
 		return remote.Result{}, down
 	}
 	if p == charging {
-		res, o, _ := lim.send(ctx, nd, nd.pipe, req)
+		res, o, _ := lim.send(ctx, nd, nd.pipe, req, budget, false)
 		return res, o
 	}
 	ticket, ok := nd.cb.Allow()
 	if !ok {
 		return remote.Result{}, down
 	}
-	res, o, verdict := lim.send(ctx, nd, nd.pipe, req)
+	start := time.Now()
+	res, o, verdict := lim.send(ctx, nd, nd.pipe, req, budget, lim.cluster != nil)
+	ticket.Done(verdict)
+	if o != moved {
+		return res, o
+	}
+	// The key's slot moved: the same call once more, to the master that
+	// owns it now, within what is left of the budget.
+	to := lim.route(req.Key)
+	if to == nil || to == nd {
+		return remote.Result{}, down
+	}
+	if to.settling.Load() {
+		// What this instance spent locally on the new master's keys is
+		// being charged to it, in a round trip: worth waiting for.
+		wctx, cancel := context.WithTimeout(ctx, budget-time.Since(start))
+		defer cancel()
+		if !to.waitSettled(wctx) {
+			if ctx.Err() != nil {
+				return remote.Result{}, callerGone
+			}
+			return remote.Result{}, down
+		}
+	}
+	if ticket, ok = to.cb.Allow(); !ok {
+		return remote.Result{}, down
+	}
+	res, o, verdict = lim.send(ctx, to, to.pipe, req, budget-time.Since(start), false)
 	ticket.Done(verdict)
 	return res, o
 }
 
-// send sends req through pipe, nd's, within the budget and classifies
-// what came back; the caller holds nd's ticket, or sends under a probe's.
-func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req remote.Request) (remote.Result, outcome, breaker.Outcome) {
+// budget is how long a call may wait for its answer: Config.Timeout, or
+// nine tenths of what is left of ctx's deadline if that is less.
+func (lim *Limiter) budget(ctx context.Context) time.Duration {
 	budget := lim.cfg.Timeout
 	if dl, ok := ctx.Deadline(); ok {
 		budget = min(budget, time.Until(dl)*9/10)
 	}
+	return budget
+}
+
+// send sends req through pipe, nd's, within budget and classifies what
+// came back; the caller holds nd's ticket, or sends under a probe's. With
+// watch, a call to a quiet Cluster node is watched for a failover this
+// instance has not seen (see watch).
+func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req remote.Request, budget time.Duration, watch bool) (remote.Result, outcome, breaker.Outcome) {
 	if budget <= 0 {
 		return remote.Result{}, callerGone, breaker.Excluded
 	}
 	rctx, cancel := context.WithTimeout(ctx, budget)
 	defer cancel()
+	var w *watcher
+	if watch {
+		w = lim.watch(nd, req.Key, budget, cancel)
+	}
 	res, err := pipe.Do(rctx, req)
 	// A connection the client pooled before a reset fails the write at
 	// once when the client cannot see the reset beforehand (over TLS,
@@ -107,6 +152,11 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	// client's next connection, within the same budget.
 	for again := 0; remote.IsUnsent(err) && again < brokenRetries && rctx.Err() == nil; again++ {
 		res, err = pipe.Do(rctx, req)
+	}
+	if w != nil && w.moved() || errors.Is(err, remote.ErrClosed) && !lim.closed.Load() {
+		// The call was abandoned, or its node forgotten (its pipe closed)
+		// while it waited: the node lost the key's slot.
+		return remote.Result{}, moved, breaker.Excluded
 	}
 	o, verdict := lim.classify(ctx, err, budget)
 	switch verdict {
@@ -118,6 +168,9 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 		lim.relayoutAfterFailure()
 	case breaker.Success:
 		nd.failing.Store(false)
+		if lim.cluster != nil {
+			nd.heard(lim.cfg.now())
+		}
 	}
 	if o == badValue {
 		lim.cfg.Logger.Error("hybridlimit: remote call failed", "key", req.Key, "err", err)

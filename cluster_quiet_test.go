@@ -2,6 +2,8 @@ package hybridlimit
 
 import (
 	"context"
+	"math"
+	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -66,12 +68,13 @@ func TestQuietFailover(t *testing.T) {
 		links[master].Resume()
 		// Decisions at 1, 3, 5, 7, 9, 11 s; the master hangs at 3 s and
 		// its replica takes over at 4 s. The one at 3 s waits its budget;
-		// the one at 5 s still goes to the hung master, whose slots the
-		// layout read after the first failure did not move yet; from 7 s
-		// on the layout read after the second names the new master.
-		want := []Mode{ModeRemote, ModeLocal, ModeLocal, ModeRemote, ModeRemote, ModeRemote}
+		// the one at 5 s goes to the hung master, whose slots the layout
+		// read after the first failure did not move yet, but is watched
+		// (the node is quiet): the layout read when it is late names the
+		// new master, which decides it.
+		want := []Mode{ModeRemote, ModeLocal, ModeRemote, ModeRemote, ModeRemote, ModeRemote}
 		for i, m := range modes {
-			if i >= 3 && m != want[i] {
+			if i >= 2 && m != want[i] {
 				t.Errorf("decision at %ds: %v; want %v (the replica took over at 4 s). All: %v", 1+2*i, m, want[i], modes)
 				break
 			}
@@ -80,4 +83,111 @@ func TestQuietFailover(t *testing.T) {
 			t.Errorf("decision at 1 s, before any fault: %v; want remote", modes[0])
 		}
 	})
+}
+
+// TestUnseenFailover: an instance decides once, then nothing while the
+// key's master hangs and its replica takes over. Its next decision finds
+// go-redis still routing the key to the hung master and no call of its
+// own that failed there; it must still be decided by the new master
+// within its budget (the call is watched: the layout is read from the
+// other nodes once the call is late, and the call goes to the master they
+// name), and the old master's node be forgotten. With spent set, the
+// instance also spent locally before the takeover: the new master is
+// charged with it first, within the same budget, and the decision is
+// still Redis's.
+func TestUnseenFailover(t *testing.T) {
+	for _, spent := range []bool{false, true} {
+		t.Run(map[bool]string{false: "quiet", true: "spent"}[spent], func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) { unseenFailover(t, spent) })
+		})
+	}
+}
+
+func unseenFailover(t *testing.T, spent bool) {
+	defer time.Sleep(30 * time.Second) // go-redis's dial back-offs and reloads end
+	cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
+	defer cl.Close()
+	links := make([]*simnet.Link, len(cl.Nodes))
+	for i := range links {
+		links[i] = simnet.NewLink()
+	}
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0)})
+	defer client.Close()
+	ctx := context.Background()
+	_ = client.Ping(ctx).Err() // COMMAND, before any node hangs (see sim_cluster_test.go)
+	const timeout = 50 * time.Millisecond
+	// A token a second: the local grants are not refilled in the 0.1 s
+	// they take, nor is what they took from Redis's bucket.
+	lim, err := New(Config{Redis: client, Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lim.Close()
+	const key = "k"
+	shard := cl.ShardOf(DefaultPrefix + key)
+	master := cl.Master(shard)
+	oldAddr := cl.Nodes[master].Addr
+	time.Sleep(time.Second)
+	if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
+		t.Fatalf("before the fault: %+v, %v; want a remote decision", d, err)
+	}
+	time.Sleep(time.Second)
+	cl.Stop(shard)
+	links[master].Hang()
+	defer links[master].Resume()
+	var local int
+	if spent {
+		// Calls that fail fall back to the local share, which grants.
+		for range 2 {
+			d, err := lim.Allow(ctx, key)
+			if err != nil || d.Mode != ModeLocal || !d.Allowed {
+				t.Fatalf("on the hung master: %+v, %v; want a local grant", d, err)
+			}
+			local++
+		}
+	}
+	time.Sleep(500 * time.Millisecond)
+	if err := cl.Takeover(shard); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(1500 * time.Millisecond)
+	// Two callers at once, one with a deadline shorter than Timeout: the
+	// first call watched finds the new master and forgets the old node,
+	// whose pipe the other call waits in; that one must follow too.
+	var wg sync.WaitGroup
+	for _, dl := range []time.Duration{0, 30 * time.Millisecond} {
+		wg.Go(func() {
+			cctx := ctx
+			if dl > 0 {
+				var cancel context.CancelFunc
+				cctx, cancel = context.WithTimeout(ctx, dl)
+				defer cancel()
+			}
+			start := time.Now()
+			d, err := lim.Allow(cctx, key)
+			took := time.Since(start)
+			if err != nil || d.Mode != ModeRemote {
+				t.Errorf("decision (deadline %v) 1.5 s after a takeover this instance did not see: %+v, %v; want ModeRemote", dl, d, err)
+			}
+			if took > timeout {
+				t.Errorf("the decision (deadline %v) took %v; budget %v", dl, took, timeout)
+			}
+		})
+	}
+	wg.Wait()
+	if nd := (*lim.nodes.Load())[oldAddr]; nd != nil {
+		t.Errorf("the old master %s, which owns no slots, is still a node", oldAddr)
+	}
+	// The new master's bucket: full again (9 after the decision at 1 s,
+	// 3.5 s of refill since), less these two decisions and what was spent
+	// locally.
+	newMaster := cl.Nodes[cl.Master(shard)]
+	rl, err := remote.NewLimit(1, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	level := float64(newMaster.Level(DefaultPrefix+key, rl.Q, rl.P, rl.Burst*rl.P)) / float64(rl.P)
+	if want := float64(10 - 2 - local); math.Abs(level-want) > 0.5 {
+		t.Errorf("the new master's bucket holds %.2f tokens; want %v (two decisions and %d local grants charged)", level, want, local)
+	}
 }

@@ -159,10 +159,11 @@ type Limiter struct {
 
 	// For a Cluster: the layout the limiter read itself, whether a reading
 	// is under way, and its own node clients (protected by mu).
-	layout  atomic.Pointer[layout]
-	reading atomic.Bool
-	relaid  atomic.Int64 // when a failed call last had the layout read (lim.cfg.now, Unix ns)
-	own     map[string]*redis.Client
+	layout   atomic.Pointer[layout]
+	reading  atomic.Bool
+	watching atomic.Bool  // a watched call's reading is under way (watch)
+	relaid   atomic.Int64 // when a failed call last had the layout read (lim.cfg.now, Unix ns)
+	own      map[string]*redis.Client
 
 	// For a Cluster: mapped is set once go-redis has loaded the slot
 	// layout; tried is closed when the first attempt to load it ended.
@@ -192,9 +193,11 @@ type node struct {
 	pipe  *remote.Pipe
 	probe atomic.Pointer[probe] // the last key that failed; set before the breaker opens
 	// settling is set while the local spending on a new master's keys is
-	// charged to it: decisions wait locally meanwhile, so that none takes
-	// from a bucket the charges have not reached yet.
+	// charged to it: decisions wait for it within their budget (and go
+	// local past it), so that none takes from a bucket the charges have
+	// not reached yet.
 	settling atomic.Bool
+	settled  chan struct{} // closed when settling ends; nil if it never began
 	// failed is when (lim.cfg.now, in Unix nanoseconds) a call to the node
 	// last failed: what Redis said of a key before then may be gone (a
 	// restart without its data fails the calls sent meanwhile), so it
@@ -205,6 +208,10 @@ type node struct {
 	// instance whose traffic is too sparse to open the breaker would
 	// otherwise follow go-redis to a master that failed over, for good.
 	failing atomic.Bool
+	// answered is when (lim.cfg.now, Unix ns) a Cluster node last answered
+	// a call, kept to within a tenth of quietFor: calls to a node quiet
+	// for longer are watched for a failover (watch).
+	answered atomic.Int64
 	// direct is the pipe of a Cluster node's probes, to its own address;
 	// made once, by the prober (probePipe).
 	once   sync.Once
@@ -403,20 +410,39 @@ func (lim *Limiter) masterFor(key string) (*node, error) {
 		nodes[k] = v
 	}
 	nd := lim.newNode(addr, own)
-	nodes[addr] = nd
-	lim.nodes.Store(&nodes)
-	if lim.spentLocally.Load() {
+	settle := lim.spentLocally.Load()
+	if settle {
 		// A master that appeared after local decisions were made (a
 		// failover, a new shard) took slots from another: what this
 		// instance spent locally on their keys is charged to it before it
 		// decides.
 		nd.settling.Store(true)
+		nd.settled = make(chan struct{})
+	}
+	nodes[addr] = nd
+	lim.nodes.Store(&nodes)
+	if settle {
 		lim.wg.Go(func() {
+			defer close(nd.settled)
 			defer nd.settling.Store(false)
 			lim.reconcile(lim.ctx, nd)
 		})
 	}
 	return nd, nil
+}
+
+// waitSettled waits until nd is not settling or ctx ends, and reports
+// whether it is not.
+func (nd *node) waitSettled(ctx context.Context) bool {
+	if !nd.settling.Load() {
+		return true
+	}
+	select {
+	case <-nd.settled:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 // close closes nd's pipes.
@@ -576,9 +602,26 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	}
 	// While the breaker is not closed, only the prober talks to the node:
 	// no decision waits on a probe.
-	if nd.cb.State() != breaker.StateClosed || nd.settling.Load() {
+	if nd.cb.State() != breaker.StateClosed {
 		lim.fallback(key, n, ls, nd, atMost, d)
 		return nil
+	}
+	if nd.settling.Load() {
+		// A new master is being charged with what this instance spent
+		// locally on its keys, in a round trip: worth waiting for, within
+		// the decision's budget, which the call then shares.
+		if ctx == caller {
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(ctx, lim.cfg.Timeout)
+			defer cancel()
+		}
+		if !nd.waitSettled(ctx) {
+			if ended(caller) {
+				return ctxErr(caller)
+			}
+			lim.fallback(key, n, ls, nd, atMost, d)
+			return nil
+		}
 	}
 	// AllowAtMost is denied only if the bucket holds less than a token.
 	least := n

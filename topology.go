@@ -3,7 +3,7 @@ package hybridlimit
 import (
 	"context"
 	"slices"
-	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -27,6 +27,7 @@ type layout struct {
 	owner [remote.Slots]uint16 // index into addrs, +1; 0: nobody
 	addrs []string
 	nodes []string // every node the answers named, replicas included
+	began time.Time // when its reading began
 }
 
 // at returns the master of slot, "" if the layout names none.
@@ -65,8 +66,10 @@ func (lim *Limiter) startReading() {
 	if lim.reading.CompareAndSwap(false, true) {
 		lim.wg.Go(func() {
 			defer lim.reading.Store(false)
-			if l := lim.readLayout(); l != nil {
-				lim.layout.Store(l)
+			ctx, cancel := context.WithTimeout(lim.ctx, layoutTimeout)
+			defer cancel()
+			if l := lim.readLayout(ctx, "", -1); l != nil {
+				lim.keepLayout(l)
 			}
 		})
 	}
@@ -101,8 +104,12 @@ func (lim *Limiter) relayoutAfterFailure() {
 
 // readLayout asks every node it knows of (the client's seeds, the nodes
 // and the last layout read) for CLUSTER SLOTS at once, and returns the
-// layout they give, nil if none answered within layoutTimeout.
-func (lim *Limiter) readLayout() *layout {
+// layout they give, nil if none answered before ctx ended. Nodes whose
+// breaker is not closed, and suspect, are not waited for, and their
+// answers give way to the others'. With a slot (not -1), it returns as
+// soon as an answer names a master of that slot that is neither: a node
+// lost for good would hold the reading until ctx ends.
+func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *layout {
 	seen := map[string]bool{}
 	var addrs []string
 	add := func(a string) {
@@ -125,19 +132,20 @@ func (lim *Limiter) readLayout() *layout {
 		}
 	}
 	// A node that does not answer (the master that hangs) is waited for
-	// at most layoutTimeout; the others answer in a round trip.
+	// until ctx ends, unless it is failing here; the others answer in a
+	// round trip.
 	failing := map[string]bool{}
 	for a, nd := range *lim.nodes.Load() {
 		failing[a] = nd.cb.State() != breaker.StateClosed
 	}
-	ctx, cancel := context.WithTimeout(lim.ctx, layoutTimeout)
-	defer cancel()
+	if suspect != "" {
+		failing[suspect] = true
+	}
 	type reply struct {
 		addr  string
 		slots []redis.ClusterSlot
 	}
 	got := make(chan reply, len(addrs))
-	var wg sync.WaitGroup
 	waiting := 0
 	for _, a := range addrs {
 		c := lim.ownClient(a)
@@ -147,7 +155,10 @@ func (lim *Limiter) readLayout() *layout {
 		if !failing[a] {
 			waiting++
 		}
-		wg.Go(func() {
+		// A node that hangs holds its goroutine until ctx's deadline
+		// (go-redis reads until the deadline, not the cancel), which the
+		// reading does not wait for: Close does.
+		lim.wg.Go(func() {
 			slots, err := c.ClusterSlots(ctx).Result()
 			if err != nil {
 				slots = nil
@@ -158,7 +169,7 @@ func (lim *Limiter) readLayout() *layout {
 	// Nodes can disagree for a moment after a failover, while the news
 	// spreads: for each slot the owner is taken from the first answer that
 	// names one that is not failing here.
-	l := &layout{}
+	l := &layout{began: time.Now()}
 	index := map[string]uint16{}
 	answered := false
 	for pending := len(addrs); pending > 0 && waiting > 0; pending-- {
@@ -195,13 +206,29 @@ func (lim *Limiter) readLayout() *layout {
 			}
 			answered = true
 		}
+		if slot >= 0 {
+			if i := l.owner[slot]; i > 0 && !failing[l.addrs[i-1]] {
+				break // what the caller asked for, the slot's master now
+			}
+		}
 	}
-	cancel()
-	wg.Wait() // the clients stop at ctx's end: nothing outlives the reading
 	if !answered {
 		return nil
 	}
 	return l
+}
+
+// keepLayout stores l unless a reading that began after l's was stored
+// already: readings overlap (one waits up to layoutTimeout for a node that
+// hangs, while a watched call's reading is answered at once), and one that
+// began before a takeover must not replace what a later one found.
+func (lim *Limiter) keepLayout(l *layout) {
+	for {
+		cur := lim.layout.Load()
+		if cur != nil && cur.began.After(l.began) || lim.layout.CompareAndSwap(cur, l) {
+			return
+		}
+	}
 }
 
 // ownClient returns the limiter's own client of the node at addr, made
@@ -264,4 +291,98 @@ func (lim *Limiter) override(key, addr string) string {
 		return ""
 	}
 	return own
+}
+
+// An instance that made no call to a Cluster node while its master hung
+// and its replica took over (a quiet key, a pod idle through the night)
+// learns nothing of the takeover: no call failed, no breaker opened, and
+// go-redis, which reloads its layout only now and then and from one node
+// at a time, still routes the node's keys to the old master. Its next
+// call there would wait its whole budget, and the decision go local, on
+// every such instance. So a call to a node that has not answered for
+// quietFor is watched: if it is not answered within watchAfter of its
+// budget, the other nodes are asked for the layout, and if they name
+// another master for the key's slot, the call is abandoned and goes to
+// that master within what is left of the budget. Calls to nodes that
+// answer often are not watched: their failures open the breaker, and the
+// prober follows the layout. A slow answer of a quiet node costs one
+// reading of the layout, at most one at a time.
+
+// quietFor is how long a node must have been silent for its calls to be
+// watched.
+const quietFor = time.Second
+
+// watchAfter is the part of its budget a watched call waits before the
+// layout is read: long enough that a healthy node's slow answer rarely
+// costs a reading, short enough that a reading, one round trip to the
+// nodes that answer, fits in the rest.
+const watchAfter = 4 // a quarter
+
+// heard records that nd answered at now.
+func (nd *node) heard(now time.Time) {
+	t := now.UnixNano()
+	if t-nd.answered.Load() > int64(quietFor/10) {
+		nd.answered.Store(t)
+	}
+}
+
+// watcher watches one call; see watch.
+type watcher struct {
+	state atomic.Uint32 // watchPending, watchEnded or watchMoved
+	timer *time.Timer
+}
+
+const (
+	watchPending uint32 = iota
+	watchEnded          // the call ended first
+	watchMoved          // the slot moved: the call was abandoned
+)
+
+// moved ends the watch and reports whether the call was abandoned because
+// its key's slot moved.
+func (w *watcher) moved() bool {
+	w.timer.Stop()
+	return !w.state.CompareAndSwap(watchPending, watchEnded) && w.state.Load() == watchMoved
+}
+
+// watch watches a call of key to nd, whose budget is budget and whose
+// context abandon cancels, if nd is quiet; it returns nil otherwise.
+func (lim *Limiter) watch(nd *node, key string, budget time.Duration, abandon context.CancelFunc) *watcher {
+	if lim.cfg.now().UnixNano()-nd.answered.Load() < int64(quietFor) {
+		return nil
+	}
+	w := &watcher{}
+	w.timer = time.AfterFunc(budget/watchAfter, func() {
+		if w.state.Load() != watchPending || !lim.watching.CompareAndSwap(false, true) {
+			return
+		}
+		defer lim.watching.Store(false)
+		lim.mu.Lock()
+		if lim.closed.Load() {
+			lim.mu.Unlock()
+			return
+		}
+		lim.wg.Add(1)
+		lim.mu.Unlock()
+		defer lim.wg.Done()
+		ctx, cancel := context.WithTimeout(lim.ctx, budget-budget/watchAfter)
+		defer cancel()
+		l := lim.readLayout(ctx, nd.addr, remote.Slot(key))
+		if l == nil {
+			return
+		}
+		lim.keepLayout(l)
+		owner := l.at(remote.Slot(key))
+		if owner == "" || owner == nd.addr || !w.state.CompareAndSwap(watchPending, watchMoved) {
+			return
+		}
+		lim.cfg.Logger.Info("hybridlimit: a quiet node's slot has another master: the call goes there",
+			"limiter", lim.cfg.Name, "node", nd.addr, "master", owner)
+		nd.failing.Store(true) // its keys follow the layout read (override)
+		abandon()
+		if !slices.Contains(l.addrs, nd.addr) {
+			lim.forget(nd)
+		}
+	})
+	return w
 }
