@@ -200,7 +200,9 @@ func (r *simRun) planCluster() {
 		case "failover":
 			iv = interval{e.At, e.At + e.After}
 		case "lost":
-			iv = interval{e.At, r.s.Duration + time.Hour}
+			// Until the run's end, where every link heals while the
+			// decisions in flight finish.
+			iv = interval{e.At, r.s.Duration}
 		case "reset":
 			for i := range r.s.Slots {
 				r.disturb[i] = append(r.disturb[i], interval{e.At, e.At + time.Millisecond})
