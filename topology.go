@@ -26,7 +26,7 @@ import (
 type layout struct {
 	owner [remote.Slots]uint16 // index into addrs, +1; 0: nobody
 	addrs []string
-	nodes []string // every node the answers named, replicas included
+	nodes []string  // every node the answers named, replicas included
 	began time.Time // when its reading began
 }
 
