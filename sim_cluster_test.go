@@ -19,7 +19,7 @@ import (
 	"github.com/hybridlimit/hybridlimit/remote"
 )
 
-// With -sim.cluster 0.25, a quarter of the seeds run the fleet against a Redis Cluster
+// A quarter of the seeds (-sim.cluster) run the fleet against a Redis Cluster
 // (simredis.Cluster): three shards of a master and a replica, every
 // instance with a go-redis ClusterClient of default options dialing each
 // node over a link of its own. Every key of the traffic lives on one shard,
@@ -34,10 +34,10 @@ import (
 // leave the decisions on Redis. The failover invariant adds the bounds of
 // docs/design.md for what follows a takeover.
 
-// simClusterShare is the share of seeds that are Cluster runs. It is 0 by
-// default while the Cluster runs find an open defect (docs/faults.md, "The
-// simulator"): the default run's seeds stay the single node's.
-var simClusterShare = flag.Float64("sim.cluster", 0, "simulator: share of the seeds run against a Redis Cluster (0.25: a quarter)")
+// simClusterShare is the share of seeds that are Cluster runs. Which seeds
+// they are is drawn from a stream of the seed's own, so the others draw the
+// same single-node schedule whatever the share.
+var simClusterShare = flag.Float64("sim.cluster", 0.25, "simulator: share of the seeds run against a Redis Cluster (0: none, 1: all)")
 
 // clusterPlan is what a Cluster run draws.
 type clusterPlan struct {
