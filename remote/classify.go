@@ -73,6 +73,9 @@ func IsBrokenConn(err error) bool {
 // the peer's reset refuses the write). Such a command did not run, so it
 // may be sent again on another connection.
 func IsUnsent(err error) bool {
+	if err == nil || !IsBrokenConn(err) {
+		return false // before op, which escapes: every answered call asks
+	}
 	var op *net.OpError
-	return IsBrokenConn(err) && errors.As(err, &op) && op.Op == "write"
+	return errors.As(err, &op) && op.Op == "write"
 }

@@ -225,3 +225,15 @@ func TestBrokenAndUnsent(t *testing.T) {
 		}
 	}
 }
+
+// TestIsUnsentAllocs: asked of every answered call, IsUnsent allocates
+// nothing when there is no error, nor for an error that is not a broken
+// connection.
+func TestIsUnsentAllocs(t *testing.T) {
+	other := errors.New("ERR something")
+	for _, err := range []error{nil, other} {
+		if n := testing.AllocsPerRun(100, func() { IsUnsent(err) }); n != 0 {
+			t.Errorf("IsUnsent(%v) allocates %v times; want 0", err, n)
+		}
+	}
+}
