@@ -40,7 +40,10 @@ var discard = slog.New(slog.DiscardHandler)
 var epoch = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
 
 // newLimiter returns a Limiter on a fresh miniredis whose clock stands at
-// epoch, closed by t.Cleanup.
+// epoch, closed by t.Cleanup. Its Timeout, unless cfg says one, is 5 s:
+// these tests check what the middleware says of Redis's decisions, and a
+// cold miniredis under -race on a busy machine can take longer than the
+// default 50 ms to run its first script, which would make it a local one.
 func newLimiter(t *testing.T, cfg hybridlimit.Config) *hybridlimit.Limiter {
 	t.Helper()
 	m := miniredis.RunT(t)
@@ -48,6 +51,9 @@ func newLimiter(t *testing.T, cfg hybridlimit.Config) *hybridlimit.Limiter {
 	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
 	t.Cleanup(func() { c.Close() })
 	cfg.Redis = c
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 5 * time.Second
+	}
 	return limiterOn(t, cfg)
 }
 
