@@ -553,7 +553,8 @@ func (r *simRun) scriptRan(tag int, key string, argv []string, reply any) {
 	}
 }
 
-// heartbeatRan records slot tag's first heartbeat the server ran.
+// heartbeatRan records when slot tag's instance first read its fleet: the
+// first heartbeat the server ran that read a closed window.
 func (r *simRun) heartbeatRan(tag int) {
 	r.mu.Lock()
 	if _, ok := r.heard[tag]; !ok {
@@ -1290,14 +1291,17 @@ func (r *simRun) checkFloor(add func(string, string, ...any)) {
 		}
 		wmin := math.Min(evenPart/float64(live), 1/float64(max(s.CfgInst, 1)))
 		if s.CfgInst == 0 {
-			// A pod not told Instances holds nothing until its first
-			// heartbeat (docs/design.md): one that had not sent one when
-			// Redis went away has a share of 0, and so has the floor.
+			// A pod not told Instances holds nothing until a heartbeat
+			// has read a closed window of its fleet (docs/design.md):
+			// one that had not when Redis went away has a share of 0,
+			// and so has the floor.
 			for i := range s.Slots {
 				if r.alive[i].from < 0 || r.alive[i].from > c.from || r.alive[i].to <= c.from {
 					continue
 				}
-				if at, ok := r.heard[i]; !ok || at >= c.from {
+				// Its answer is read within the heartbeat's budget,
+				// Timeout, or not at all.
+				if at, ok := r.heard[i]; !ok || at >= c.from-s.Timeout {
 					wmin = 0
 				}
 			}

@@ -165,3 +165,106 @@ func plant(t *testing.T, c *redis.Client, m *Server, key string, raw []byte) {
 	m.data[key] = &value{s: raw, expire: time.Now().Add(time.Hour)}
 	m.mu.Unlock()
 }
+
+// TestFleetModelMatchesRedis runs random heartbeats of lua/fleet.lua on a
+// real redis-server and the same on the model, at the time the real script
+// read (TIME, or the client's clock passed as ARGV[6]), and wants the same
+// reply, the same hashes and the same expiry (to the slack of the real
+// clock between the call and PEXPIRETIME's reading).
+func TestFleetModelMatchesRedis(t *testing.T) {
+	srv := redistest.Start(t)
+	c := srv.Client(t)
+	ctx := context.Background()
+	if err := c.ScriptLoad(ctx, lua.Fleet).Err(); err != nil {
+		t.Fatal(err)
+	}
+	m := New()
+	rng := rand.New(rand.NewPCG(3, 4))
+	const tag = "{sim:f}:"
+	for i := range 3000 {
+		w := []int64{50, 200, 1000}[rng.IntN(3)]
+		now := time.Now()
+		passed := rng.IntN(4) == 0 // the client's clock, where TIME is refused in scripts
+		if passed {
+			now = now.Add(time.Duration(rng.Int64N(int64(2*time.Second))) - time.Second)
+		}
+		r := now.UnixMilli() / w
+		j := r + rng.Int64N(6) - 4 // too late, in time, or from a clock ahead
+		rd := r - rng.Int64N(6)    // not closed yet, or closed
+		report := (rng.Int64N(1000) << 20) + 1
+		ticket := "0"
+		if rng.IntN(2) == 0 {
+			ticket = "1"
+		}
+		keys := []string{tag + strconv.FormatInt(j, 10), tag + strconv.FormatInt(rd, 10)}
+		argv := []string{strconv.FormatInt(j, 10), strconv.FormatInt(report, 10), strconv.FormatInt(rd, 10), strconv.FormatInt(w, 10), ticket}
+		if passed {
+			argv = append(argv, strconv.FormatInt(now.UnixMicro(), 10))
+		}
+		args := make([]any, len(argv))
+		for k, a := range argv {
+			args[k] = a
+		}
+		// TIME beside the script, in one transaction: the server's clock
+		// when it ran, for the model's expiries (a script reads the
+		// clock once, in milliseconds, and expires keys by it).
+		tx := c.TxPipeline()
+		clock := tx.Time(ctx)
+		eval := tx.EvalSha(ctx, fleetSHA, keys, args...)
+		if _, err := tx.Exec(ctx); err != nil {
+			t.Fatalf("call %d: EVALSHA: %v", i, err)
+		}
+		got := eval.Val()
+		vals, ok := got.([]any)
+		if !ok || len(vals) != 4 {
+			t.Fatalf("call %d: reply %v", i, got)
+		}
+		at := time.UnixMilli(clock.Val().UnixMilli())
+		if !passed {
+			ms, _ := vals[0].(int64)
+			at = time.UnixMilli(ms) // the script's own reading
+		}
+		m.mu.Lock()
+		want := m.fleet(at, keys[0], keys[1], argv)
+		m.mu.Unlock()
+		if !reflect.DeepEqual(want, got) {
+			t.Fatalf("call %d %v %v: model %v, redis %v", i, keys, argv, want, got)
+		}
+		for _, k := range keys {
+			m.mu.Lock()
+			v := m.get(at, k)
+			mh := map[string]string{}
+			var exp time.Time
+			if v != nil {
+				for f := 0; f < len(v.fields); f += 2 {
+					mh[v.fields[f]] = v.fields[f+1]
+				}
+				exp = v.expire
+			}
+			m.mu.Unlock()
+			h, err := c.HGetAll(ctx, k).Result()
+			if err != nil {
+				t.Fatalf("call %d: HGETALL %s: %v", i, k, err)
+			}
+			if len(h) == 0 && len(mh) > 0 && exp.UnixMilli() < time.Now().UnixMilli() {
+				continue // it expired on the real clock since the call
+			}
+			if !reflect.DeepEqual(mh, h) {
+				t.Fatalf("call %d %s: model holds %v, redis %v", i, k, mh, h)
+			}
+			if len(h) == 0 {
+				continue
+			}
+			pexp, err := c.Do(ctx, "PEXPIRETIME", k).Int64()
+			if err != nil {
+				t.Fatalf("call %d: PEXPIRETIME %s: %v", i, k, err)
+			}
+			if pexp == -2 {
+				continue // it expired since HGETALL
+			}
+			if exp.UnixMilli() != pexp {
+				t.Fatalf("call %d %s: model expires at %d ms, redis at %d", i, k, exp.UnixMilli(), pexp)
+			}
+		}
+	}
+}

@@ -69,7 +69,8 @@ type Server struct {
 	Hook func(tag int, key string, argv []string, reply any)
 
 	// FleetHook, if not nil, is called like Hook after every call of the
-	// fleet script (a heartbeat).
+	// fleet script (a heartbeat) that read a closed window: from its
+	// answer on, the instance knows its fleet.
 	FleetHook func(tag int)
 
 	// Set by a Cluster (cluster.go) before serving; nil on a lone server.
@@ -389,8 +390,8 @@ func (s *Server) command(args []string, tag int) any {
 			return rerror("NOSCRIPT No matching script. Please use EVAL.")
 		}
 		nk, err := strconv.Atoi(args[2])
-		if err != nil || nk < 1 || nk > 2 || nk == 2 && h != bucketSHA || len(args) < 3+nk {
-			return rerror("ERR the models take one key (the bucket's also a charge's marker)")
+		if err != nil || nk < 1 || nk > 2 || nk == 1 && h == fleetSHA || len(args) < 3+nk {
+			return rerror("ERR the models take the scripts' keys (the bucket's, and a charge's marker; the fleet's two windows)")
 		}
 		s.calls++
 		if h == bucketSHA {
@@ -409,9 +410,8 @@ func (s *Server) command(args []string, tag int) any {
 			}
 			return reply
 		}
-		reply := s.fleet(now, args[3], args[4:])
-		s.replicate(args[3])
-		if s.FleetHook != nil {
+		reply := s.fleet(now, args[3], args[4], args[5:])
+		if read, ok := reply.([]any); ok && read[2] != int64(0) && s.FleetHook != nil {
 			s.FleetHook(tag)
 		}
 		return reply
@@ -623,72 +623,4 @@ func unpack(raw []byte) (format byte, level, at, p float64, ok bool) {
 		return 0, 0, 0, 0, false
 	}
 	return 1, get7(raw[1:8]), get7(raw[8:15]), get7(raw[15:22]), true
-}
-
-// fleet is lua/fleet.lua. fleet requires that s.mu is held.
-func (s *Server) fleet(at time.Time, key string, argv []string) any {
-	if len(argv) < 4 {
-		return rerror("ERR Error running script: ARGV missing")
-	}
-	id, report := argv[0], argv[1]
-	ttl, ok1 := number(argv[2])
-	most, ok2 := number(argv[3])
-	if !ok1 || !ok2 {
-		return rerror("ERR Error running script: attempt to perform arithmetic on a nil value")
-	}
-	us := at.UnixMicro()
-	now := float64(us/1e6)*1000 + math.Floor(float64(us%1e6)/1000)
-
-	v := s.get(at, key)
-	if v == nil {
-		v = &value{hash: true}
-		s.data[key] = v
-	} else if !v.hash {
-		return rerror("WRONGTYPE Operation against a key holding the wrong kind of value")
-	}
-	field := report + " " + strconv.FormatFloat(now+ttl, 'f', 0, 64)
-	set := false
-	for i := 0; i < len(v.fields); i += 2 {
-		if v.fields[i] == id {
-			v.fields[i+1] = field
-			set = true
-		}
-	}
-	if !set {
-		v.fields = append(v.fields, id, field)
-	}
-	var live []any
-	kept := v.fields[:0:0]
-	for i := 0; i < len(v.fields); i += 2 {
-		f, val := v.fields[i], v.fields[i+1]
-		r, exp, ok := strings.Cut(val, " ")
-		expired := true
-		if ok && r != "" && !strings.ContainsAny(r, " \t\r\n") && digits(exp) {
-			e, _ := strconv.ParseFloat(exp, 64)
-			expired = e < now
-		}
-		if expired || (float64(len(live)) >= 2*most && f != id) {
-			continue
-		}
-		kept = append(kept, f, val)
-		live = append(live, f, r)
-	}
-	v.fields = kept
-	v.expire = at.Add(time.Duration(ttl) * time.Millisecond)
-	if live == nil {
-		live = []any{}
-	}
-	return live
-}
-
-func digits(s string) bool {
-	if s == "" {
-		return false
-	}
-	for _, c := range s {
-		if c < '0' || c > '9' {
-			return false
-		}
-	}
-	return true
 }

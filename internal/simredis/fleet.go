@@ -1,0 +1,108 @@
+package simredis
+
+import (
+	"math"
+	"strconv"
+	"time"
+)
+
+// fleet is lua/fleet.lua: one heartbeat, reporting for window j in the
+// hash at report and reading window i's in the hash at read (see the
+// script for the arguments and the reply). Numbers are float64, as Lua's
+// are. fleet requires that s.mu is held.
+func (s *Server) fleet(at time.Time, report, read string, argv []string) any {
+	if len(argv) < 5 {
+		return rerror("ERR Error running script: ARGV missing")
+	}
+	j, ok1 := number(argv[0])
+	i, ok2 := number(argv[2])
+	w, ok3 := number(argv[3])
+	if !ok1 || !ok2 || !ok3 || math.Mod(j, 1) != 0 || math.Mod(i, 1) != 0 || w < 1 || math.Mod(w, 1) != 0 {
+		return rerror("ERR hybridlimit fleet: bad arguments")
+	}
+	var now float64
+	if len(argv) >= 6 {
+		us, ok := number(argv[5])
+		if !ok || us < 0 {
+			return rerror("ERR hybridlimit fleet: bad time")
+		}
+		now = math.Floor(us / 1000)
+	} else {
+		us := at.UnixMicro()
+		now = float64(us/1e6)*1000 + math.Floor(float64(us%1e6)/1000)
+	}
+	r := math.Floor(now / w)
+
+	taken := int64(0)
+	if j >= r-2 && j <= r {
+		add, err := strconv.ParseInt(argv[1], 10, 64)
+		if err != nil {
+			return rerror("ERR value is not an integer or out of range")
+		}
+		v, e := s.hash(at, report, true)
+		if e != nil {
+			return e
+		}
+		sum := hincrby(v, "#t", add)
+		taken = 1
+		if sum == add {
+			v.expire = time.UnixMilli(int64((j + 5) * w))
+		}
+		s.replicate(report)
+	}
+	if i <= r-3 {
+		v, e := s.hash(at, read, false)
+		if e != nil {
+			return e
+		}
+		if sum, ok := hget(v, "#t"); ok {
+			ticket := int64(0)
+			if argv[4] == "1" {
+				ticket = hincrby(v, "#c", 1)
+				s.replicate(read)
+			}
+			return []any{int64(now), taken, sum, ticket}
+		}
+	}
+	return []any{int64(now), taken, int64(0), int64(0)}
+}
+
+// hash returns the hash at key, nil if there is none and create is false;
+// an error reply if key holds something else.
+func (s *Server) hash(at time.Time, key string, create bool) (*value, any) {
+	v := s.get(at, key)
+	switch {
+	case v == nil && create:
+		v = &value{hash: true}
+		s.data[key] = v
+	case v != nil && !v.hash:
+		return nil, rerror("WRONGTYPE Operation against a key holding the wrong kind of value")
+	}
+	return v, nil
+}
+
+// hget returns field's value in v, which may be nil.
+func hget(v *value, field string) (string, bool) {
+	if v == nil {
+		return "", false
+	}
+	for k := 0; k < len(v.fields); k += 2 {
+		if v.fields[k] == field {
+			return v.fields[k+1], true
+		}
+	}
+	return "", false
+}
+
+// hincrby adds n to field in v, as HINCRBY does, and returns the sum.
+func hincrby(v *value, field string, n int64) int64 {
+	for k := 0; k < len(v.fields); k += 2 {
+		if v.fields[k] == field {
+			cur, _ := strconv.ParseInt(v.fields[k+1], 10, 64)
+			v.fields[k+1] = strconv.FormatInt(cur+n, 10)
+			return cur + n
+		}
+	}
+	v.fields = append(v.fields, field, strconv.FormatInt(n, 10))
+	return n
+}
