@@ -89,7 +89,10 @@ func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Reque
 	if !ok {
 		return remote.Result{}, down
 	}
-	start := time.Now()
+	var start time.Time
+	if lim.cluster != nil {
+		start = time.Now()
+	}
 	res, o, verdict := lim.send(ctx, nd, nd.pipe, req, budget, lim.cluster != nil)
 	ticket.Done(verdict)
 	if o != moved {
@@ -102,8 +105,8 @@ func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Reque
 		return remote.Result{}, down
 	}
 	if to.settling.Load() {
-		// What this instance spent locally on the new master's keys is
-		// being charged to it, in a round trip: worth waiting for.
+		// What this instance spent locally is being charged to the new
+		// master: worth waiting for, within the budget.
 		wctx, cancel := context.WithTimeout(ctx, budget-time.Since(start))
 		defer cancel()
 		if !to.waitSettled(wctx) {
@@ -112,6 +115,9 @@ func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Reque
 			}
 			return remote.Result{}, down
 		}
+	}
+	if to.cb.State() != breaker.StateClosed {
+		return remote.Result{}, down // the prober's, not a decision's
 	}
 	if ticket, ok = to.cb.Allow(); !ok {
 		return remote.Result{}, down
@@ -153,9 +159,11 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	for again := 0; remote.IsUnsent(err) && again < brokenRetries && rctx.Err() == nil; again++ {
 		res, err = pipe.Do(rctx, req)
 	}
-	if w != nil && w.moved() || errors.Is(err, remote.ErrClosed) && !lim.closed.Load() {
-		// The call was abandoned, or its node forgotten (its pipe closed)
-		// while it waited: the node lost the key's slot.
+	// The call was abandoned (an answer that came meanwhile is kept), or
+	// its node forgotten (its pipe closed) while it waited: the node lost
+	// the key's slot.
+	abandoned := w != nil && w.moved()
+	if err != nil && (abandoned || errors.Is(err, remote.ErrClosed) && !lim.closed.Load()) {
 		return remote.Result{}, moved, breaker.Excluded
 	}
 	o, verdict := lim.classify(ctx, err, budget)

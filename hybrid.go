@@ -159,11 +159,11 @@ type Limiter struct {
 
 	// For a Cluster: the layout the limiter read itself, whether a reading
 	// is under way, and its own node clients (protected by mu).
-	layout   atomic.Pointer[layout]
-	reading  atomic.Bool
-	watching atomic.Bool  // a watched call's reading is under way (watch)
-	relaid   atomic.Int64 // when a failed call last had the layout read (lim.cfg.now, Unix ns)
-	own      map[string]*redis.Client
+	layout    atomic.Pointer[layout]
+	reading   atomic.Bool
+	watchRead chan struct{} // closed when the watched calls' reading ends; nil: none (protected by mu)
+	relaid    atomic.Int64  // when a failed call last had the layout read (lim.cfg.now, Unix ns)
+	own       map[string]*redis.Client
 
 	// For a Cluster: mapped is set once go-redis has loaded the slot
 	// layout; tried is closed when the first attempt to load it ended.
@@ -209,8 +209,8 @@ type node struct {
 	// otherwise follow go-redis to a master that failed over, for good.
 	failing atomic.Bool
 	// answered is when (lim.cfg.now, Unix ns) a Cluster node last answered
-	// a call, kept to within a tenth of quietFor: calls to a node quiet
-	// for longer are watched for a failover (watch).
+	// a call, kept to within a tenth of quietFor: calls to a node quiet for
+	// longer, or never heard, are watched for a failover (watch).
 	answered atomic.Int64
 	// direct is the pipe of a Cluster node's probes, to its own address;
 	// made once, by the prober (probePipe).
@@ -608,13 +608,12 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	}
 	if nd.settling.Load() {
 		// A new master is being charged with what this instance spent
-		// locally on its keys, in a round trip: worth waiting for, within
-		// the decision's budget, which the call then shares.
-		if ctx == caller {
-			var cancel context.CancelFunc
-			ctx, cancel = context.WithTimeout(ctx, lim.cfg.Timeout)
-			defer cancel()
-		}
+		// locally (the charges of every key due, a round trip per batch):
+		// worth waiting for, within the decision's budget, which the call
+		// then shares.
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, lim.budget(ctx))
+		defer cancel()
 		if !nd.waitSettled(ctx) {
 			if ended(caller) {
 				return ctxErr(caller)

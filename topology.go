@@ -2,7 +2,9 @@ package hybridlimit
 
 import (
 	"context"
+	"net"
 	"slices"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -95,11 +97,24 @@ func (lim *Limiter) relayoutAfterFailure() {
 	if now-last < int64(failedLayoutEvery) || !lim.relaid.CompareAndSwap(last, now) {
 		return
 	}
-	lim.mu.Lock()
-	defer lim.mu.Unlock()
-	if !lim.closed.Load() {
+	if lim.enter() {
+		defer lim.wg.Done()
 		lim.startReading()
 	}
+}
+
+// enter counts the calling goroutine in lim.wg, which Close waits for,
+// unless Close has begun: a goroutine that was not started by one the
+// limiter counts already (a timer's) calls it before it uses the limiter's
+// clients, and lim.wg.Done when it is over.
+func (lim *Limiter) enter() bool {
+	lim.mu.Lock()
+	defer lim.mu.Unlock()
+	if lim.closed.Load() {
+		return false
+	}
+	lim.wg.Add(1)
+	return true
 }
 
 // readLayout asks every node it knows of (the client's seeds, the nodes
@@ -141,6 +156,7 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 	if suspect != "" {
 		failing[suspect] = true
 	}
+	began := time.Now()
 	type reply struct {
 		addr  string
 		slots []redis.ClusterSlot
@@ -169,7 +185,7 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 	// Nodes can disagree for a moment after a failover, while the news
 	// spreads: for each slot the owner is taken from the first answer that
 	// names one that is not failing here.
-	l := &layout{began: time.Now()}
+	l := &layout{began: began}
 	index := map[string]uint16{}
 	answered := false
 	for pending := len(addrs); pending > 0 && waiting > 0; pending-- {
@@ -188,11 +204,11 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 				continue
 			}
 			for _, n := range rg.Nodes {
-				if !slices.Contains(l.nodes, n.Addr) {
-					l.nodes = append(l.nodes, n.Addr)
+				if a := nodeAddr(n.Addr, r.addr); !slices.Contains(l.nodes, a) {
+					l.nodes = append(l.nodes, a)
 				}
 			}
-			a := rg.Nodes[0].Addr
+			a := nodeAddr(rg.Nodes[0].Addr, r.addr)
 			i, ok := index[a]
 			if !ok {
 				l.addrs = append(l.addrs, a)
@@ -216,6 +232,40 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 		return nil
 	}
 	return l
+}
+
+// nodeAddr is addr, a node's address in the CLUSTER SLOTS answer of the
+// node at origin, as go-redis's ClusterClient names the node (its
+// newClusterState): a loopback host is replaced by origin's host unless
+// that is loopback too (a Cluster behind NAT or in containers announces
+// 127.0.0.1), and a port 0 by origin's port (a TLS-only Cluster announces
+// port 0). Routing compares the two names, so they must agree.
+func nodeAddr(addr, origin string) string {
+	host, port, err := net.SplitHostPort(origin)
+	if err != nil {
+		return addr
+	}
+	nhost, nport, err := net.SplitHostPort(addr)
+	if err != nil {
+		return addr
+	}
+	if ip := net.ParseIP(nhost); ip != nil && ip.IsLoopback() && !loopbackHost(host) {
+		nhost = host
+	}
+	if nport == "0" && port != "" && port != "0" {
+		nport = port
+	}
+	return net.JoinHostPort(nhost, nport)
+}
+
+// loopbackHost is go-redis's isLoopback: a loopback IP, localhost, or a
+// Docker host's *.docker.internal.
+func loopbackHost(host string) bool {
+	if ip := net.ParseIP(host); ip != nil {
+		return ip.IsLoopback()
+	}
+	h := strings.ToLower(host)
+	return h == "localhost" || strings.HasSuffix(h, ".docker.internal")
 }
 
 // keepLayout stores l unless a reading that began after l's was stored
@@ -306,7 +356,10 @@ func (lim *Limiter) override(key, addr string) string {
 // that master within what is left of the budget. Calls to nodes that
 // answer often are not watched: their failures open the breaker, and the
 // prober follows the layout. A slow answer of a quiet node costs one
-// reading of the layout, at most one at a time.
+// reading of the layout, at most one at a time per Limiter. Nothing is
+// watched during the first contact (warmedUp): the first calls of a pod
+// that has just started are slow for their own reasons (dials, scripts to
+// load).
 
 // quietFor is how long a node must have been silent for its calls to be
 // watched.
@@ -330,6 +383,7 @@ func (nd *node) heard(now time.Time) {
 type watcher struct {
 	state atomic.Uint32 // watchPending, watchEnded or watchMoved
 	timer *time.Timer
+	since time.Time // when the call was sent: only a reading begun since counts
 }
 
 const (
@@ -347,32 +401,50 @@ func (w *watcher) moved() bool {
 
 // watch watches a call of key to nd, whose budget is budget and whose
 // context abandon cancels, if nd is quiet; it returns nil otherwise.
+//
+// Watched calls share one reading at a time: a call whose watch comes
+// while another's reading is under way waits for it, and judges its own
+// slot by the layout it leaves, if it began after the call was sent.
 func (lim *Limiter) watch(nd *node, key string, budget time.Duration, abandon context.CancelFunc) *watcher {
-	if lim.cfg.now().UnixNano()-nd.answered.Load() < int64(quietFor) {
+	if lim.cfg.now().UnixNano()-nd.answered.Load() < int64(quietFor) || !lim.warmedUp() {
 		return nil
 	}
-	w := &watcher{}
+	w := &watcher{since: time.Now()}
 	w.timer = time.AfterFunc(budget/watchAfter, func() {
-		if w.state.Load() != watchPending || !lim.watching.CompareAndSwap(false, true) {
+		if w.state.Load() != watchPending || !lim.enter() {
 			return
 		}
-		defer lim.watching.Store(false)
-		lim.mu.Lock()
-		if lim.closed.Load() {
-			lim.mu.Unlock()
-			return
-		}
-		lim.wg.Add(1)
-		lim.mu.Unlock()
 		defer lim.wg.Done()
 		ctx, cancel := context.WithTimeout(lim.ctx, budget-budget/watchAfter)
 		defer cancel()
-		l := lim.readLayout(ctx, nd.addr, remote.Slot(key))
-		if l == nil {
+		slot := remote.Slot(key)
+		lim.mu.Lock()
+		rd, mine := lim.watchRead, false
+		if rd == nil {
+			rd, mine = make(chan struct{}), true
+			lim.watchRead = rd
+		}
+		lim.mu.Unlock()
+		if mine {
+			if l := lim.readLayout(ctx, nd.addr, slot); l != nil {
+				lim.keepLayout(l)
+			}
+			lim.mu.Lock()
+			lim.watchRead = nil
+			lim.mu.Unlock()
+			close(rd)
+		} else {
+			select {
+			case <-rd:
+			case <-ctx.Done():
+				return
+			}
+		}
+		l := lim.layout.Load()
+		if l == nil || l.began.Before(w.since) {
 			return
 		}
-		lim.keepLayout(l)
-		owner := l.at(remote.Slot(key))
+		owner := l.at(slot)
 		if owner == "" || owner == nd.addr || !w.state.CompareAndSwap(watchPending, watchMoved) {
 			return
 		}
