@@ -104,7 +104,9 @@ type Decision struct {
 	Remaining int64
 	// RetryAfter is, when denied, how long until the bucket can hold n
 	// tokens, for AllowAtMost one token (under ModeFailClosed: until the
-	// breaker next probes Redis). Zero when allowed.
+	// breaker next probes Redis; under ModeLocal, at most what the whole
+	// limit takes to refill n tokens, or until the next probe if that is
+	// later). Zero when allowed.
 	RetryAfter time.Duration
 	// ResetAfter is how long until the deciding bucket is full again.
 	ResetAfter time.Duration
@@ -795,6 +797,16 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, atMost b
 		RetryAfter: res.RetryAfter,
 		ResetAfter: res.ResetAfter,
 		Mode:       ModeLocal,
+	}
+	if !res.Allowed {
+		// A share of a slow limit refills far slower than the limit (a
+		// thirty-fifth of 5 a minute: a token in seven minutes), while
+		// Redis may be back at the next probe, and its bucket then refills
+		// n tokens in n/Rate: a denial is not told to wait longer than
+		// that.
+		if whole := float64(n) / ls.Rate * float64(time.Second); whole < float64(d.RetryAfter) {
+			d.RetryAfter = min(d.RetryAfter, max(lim.untilProbe(nd), time.Duration(whole)))
+		}
 	}
 	if atMost && res.Allowed {
 		d.Granted = granted
