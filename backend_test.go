@@ -1,0 +1,89 @@
+package hybridlimit
+
+import (
+	"flag"
+	"net"
+	"testing"
+	"testing/synctest"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/internal/simnet"
+	"github.com/hybridlimit/hybridlimit/internal/simredis"
+)
+
+// realtime moves the accuracy tests (those that run through withRedis) from
+// the simulated Redis at virtual time onto real redis-server processes at
+// wall-clock time. The bounds they assert are the same either way: the
+// default run checks that the design holds them, the real run that a real
+// server and network do not change that (docs/accuracy.md).
+var realtime = flag.Bool("realtime", false, "run the accuracy tests against real redis-server processes at wall-clock time, not the simulated Redis at virtual time")
+
+// testRedis is the Redis an accuracy test runs against: a redis-server
+// process, or simredis over one simnet link inside the test's
+// testing/synctest bubble, where time is virtual and the seconds of load a
+// test offers cost milliseconds.
+type testRedis struct {
+	srv  *redistest.Server // with -realtime
+	sim  *simredis.Server  // otherwise
+	link *simnet.Link      // every connection to sim
+}
+
+// withRedis runs f against a fresh testRedis: a real one with -realtime,
+// else a simulated one, f then running inside a synctest bubble (where
+// t.Run and t.Parallel are not allowed).
+func withRedis(t *testing.T, f func(t *testing.T, r *testRedis)) {
+	t.Helper()
+	if *realtime {
+		f(t, &testRedis{srv: redistest.Start(t)})
+		return
+	}
+	synctest.Test(t, func(t *testing.T) {
+		r := &testRedis{sim: simredis.New(), link: simnet.NewLink()}
+		// Registered first, so run last: once the limiters and clients
+		// the test registers are closed, the server's connections end.
+		t.Cleanup(r.sim.Close)
+		f(t, r)
+	})
+}
+
+// realRedis returns a testRedis on a fresh redis-server, for benchmarks
+// (synctest runs only tests).
+func realRedis(tb testing.TB) *testRedis {
+	return &testRedis{srv: redistest.Start(tb)}
+}
+
+// client returns a new client of default options, closed by tb.Cleanup.
+func (r *testRedis) client(tb testing.TB) *redis.Client {
+	var c *redis.Client
+	if r.srv != nil {
+		c = redis.NewClient(&redis.Options{Addr: r.srv.Addr()})
+	} else {
+		c = redis.NewClient(&redis.Options{
+			Addr:   "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
+			Dialer: r.link.Dialer(func(c net.Conn) { r.sim.Serve(c, 0) }),
+		})
+	}
+	tb.Cleanup(func() { c.Close() })
+	return c
+}
+
+// pause stops Redis answering, as SIGSTOP does: connections, new ones
+// too, stay open and what is written to them waits.
+func (r *testRedis) pause(tb testing.TB) {
+	if r.srv != nil {
+		r.srv.Pause(tb)
+		return
+	}
+	r.link.Hang()
+}
+
+// resume ends pause: what was written meanwhile is read and answered.
+func (r *testRedis) resume(tb testing.TB) {
+	if r.srv != nil {
+		r.srv.Resume(tb)
+		return
+	}
+	r.link.Resume()
+}
