@@ -87,3 +87,13 @@ func (r *testRedis) resume(tb testing.TB) {
 	}
 	r.link.Resume()
 }
+
+// simClient returns a client of a fresh simulated Redis, whose bucket is
+// lua/tokenbucket.lua's (simredis.TestModelMatchesRedis), for a test
+// inside a synctest bubble: time stands still until every goroutine of
+// the bubble waits on it, and a test moves it with time.Sleep.
+func simClient(t *testing.T) *redis.Client {
+	r := &testRedis{sim: simredis.New(), link: simnet.NewLink()}
+	t.Cleanup(r.sim.Close) // after the client's Close, registered next
+	return r.client(t)
+}

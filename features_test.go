@@ -10,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
@@ -48,33 +49,36 @@ func (c *fakeClock) Add(d time.Duration) {
 // TestCachedDenialsMatchRedis: answering denials from what Redis said gives
 // exactly the answers Redis gives, on a key offered far more than its limit.
 func TestCachedDenialsMatchRedis(t *testing.T) {
-	m, c := miniClient(t)
-	clock := newFakeClock(m)
-	limit := Limit{Rate: 10, Burst: 5}
-	// The test compares answers: a budget no stall of a busy machine
-	// reaches, so that every decision is Redis's (or the cache's).
-	cached := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "cached:", now: clock.Now, Heartbeat: -1, Instances: 1,
-		Timeout: 5 * time.Second})
-	direct := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "direct:", now: clock.Now, Heartbeat: -1, Instances: 1,
-		Timeout: 5 * time.Second, noCache: true})
-	ctx := context.Background()
-	var allowed int
-	for i := range 2000 {
-		n := int64(1 + i%3)
-		a, err1 := cached.AllowN(ctx, "k", n)
-		b, err2 := direct.AllowN(ctx, "k", n)
-		if err1 != nil || err2 != nil || a.Allowed != b.Allowed || a.Remaining != b.Remaining ||
-			a.RetryAfter != b.RetryAfter || a.ResetAfter != b.ResetAfter {
-			t.Fatalf("decision %d (n=%d): cached %+v, %v; Redis %+v, %v", i, n, a, err1, b, err2)
+	// In a bubble, against the simulated Redis: the limiters and Redis
+	// share the virtual clock, which only the test moves.
+	synctest.Test(t, func(t *testing.T) {
+		c := simClient(t)
+		limit := Limit{Rate: 10, Burst: 5}
+		// The test compares answers: a budget no stall of a busy machine
+		// reaches, so that every decision is Redis's (or the cache's).
+		cached := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "cached:", Heartbeat: -1, Instances: 1,
+			Timeout: 5 * time.Second})
+		direct := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "direct:", Heartbeat: -1, Instances: 1,
+			Timeout: 5 * time.Second, noCache: true})
+		ctx := context.Background()
+		var allowed int
+		for i := range 2000 {
+			n := int64(1 + i%3)
+			a, err1 := cached.AllowN(ctx, "k", n)
+			b, err2 := direct.AllowN(ctx, "k", n)
+			if err1 != nil || err2 != nil || a.Allowed != b.Allowed || a.Remaining != b.Remaining ||
+				a.RetryAfter != b.RetryAfter || a.ResetAfter != b.ResetAfter {
+				t.Fatalf("decision %d (n=%d): cached %+v, %v; Redis %+v, %v", i, n, a, err1, b, err2)
+			}
+			if a.Allowed {
+				allowed++
+			}
+			time.Sleep(7 * time.Millisecond) // 2000 × 7 ms = 14 s at 10/s
 		}
-		if a.Allowed {
-			allowed++
+		if allowed < 100 || allowed > 150 {
+			t.Errorf("allowed %d of 2000 over 14 s at 10/s with burst 5; want about 140", allowed)
 		}
-		clock.Add(7 * time.Millisecond) // 2000 × 7 ms = 14 s at 10/s
-	}
-	if allowed < 100 || allowed > 150 {
-		t.Errorf("allowed %d of 2000 over 14 s at 10/s with burst 5; want about 140", allowed)
-	}
+	})
 }
 
 // TestCachedDenialsSpareRedis: under abuse (one key offered 100 times its
