@@ -178,8 +178,7 @@ func TestLimitFor(t *testing.T) {
 	}
 	m, c := miniClient(t)
 	clock := newFakeClock(m) // stands still: no refill
-	dead := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-	defer dead.Close()
+	dead := refused(t)
 	for _, tc := range []struct {
 		client redis.UniversalClient
 		mode   Mode
@@ -350,8 +349,7 @@ func TestWaitRespectsContext(t *testing.T) {
 // TestRefund gives tokens back to the path that granted them.
 func TestRefund(t *testing.T) {
 	_, c := miniClient(t)
-	dead := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-	defer dead.Close()
+	dead := refused(t)
 	for _, client := range []redis.UniversalClient{c, dead} {
 		// The cache stays on: a refund must lift a denial it would answer.
 		lim := newLimiter(t, Config{Redis: client, Limit: PerSecond(3), Heartbeat: -1, Instances: 1})

@@ -178,15 +178,13 @@ func TestContract(t *testing.T) {
 	})
 	t.Run("local", func(t *testing.T) {
 		// Nothing listens on port 1: every call fails and FailLocal decides.
-		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-		defer c.Close()
+		c := refused(t)
 		now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), Instances: 1, now: func() time.Time { return now }})
 		run(t, lim, "k", steps(ModeLocal))
 	})
 	t.Run("fail-open", func(t *testing.T) {
-		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-		defer c.Close()
+		c := refused(t)
 		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), OnFailure: FailOpen})
 		run(t, lim, "k", []allow{
 			{10, Decision{Allowed: true, Granted: 10, Mode: ModeFailOpen}},
@@ -196,8 +194,7 @@ func TestContract(t *testing.T) {
 }
 
 func TestLocalShare(t *testing.T) {
-	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-	defer c.Close()
+	c := refused(t)
 	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	clock := func() time.Time { return now }
 	tests := []struct {

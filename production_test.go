@@ -24,10 +24,12 @@ import (
 // bucket is deleted, pods started during an outage.
 
 // refused returns a client of a port nothing listens on: every call fails
-// at once.
+// at once. It retries neither commands nor dials: with go-redis's
+// defaults a failed call takes about a second of back-offs, so each
+// limiter's first contact lasted coldFor and newLimiter waited for it.
 func refused(t *testing.T) *redis.Client {
 	t.Helper()
-	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialerRetries: 1})
 	t.Cleanup(func() { c.Close() })
 	return c
 }
