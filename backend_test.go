@@ -97,3 +97,11 @@ func simClient(t *testing.T) *redis.Client {
 	t.Cleanup(r.sim.Close) // after the client's Close, registered next
 	return r.client(t)
 }
+
+// scriptCalls returns how many script calls the server has run.
+func (r *testRedis) scriptCalls(tb testing.TB) int64 {
+	if r.srv != nil {
+		return r.srv.ScriptCalls(tb)
+	}
+	return int64(r.sim.Calls())
+}

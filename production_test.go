@@ -355,50 +355,51 @@ func TestColdStart(t *testing.T) {
 // more is not starved, the limit holds, and Redis runs about one script
 // call per grant, not one per waiter per refilled token.
 func TestWaitNFairness(t *testing.T) {
-	srv := redistest.Start(t)
-	const rate, burst = 20, 10
-	var lims []*Limiter
-	for range 3 {
-		lims = append(lims, newLimiter(t, Config{Redis: srv.Client(t), Limit: Limit{Rate: rate, Burst: burst},
-			Instances: 3, Heartbeat: -1, Timeout: time.Second}))
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
-	defer cancel()
-	before := srv.ScriptCalls(t)
-	var wg sync.WaitGroup
-	var tokens, grants, big atomic.Int64
-	for i, lim := range lims {
-		for w := range 4 {
-			n := int64(1)
-			if i == 0 && w == 0 {
-				n = 5
-			}
-			wg.Go(func() {
-				for ctx.Err() == nil {
-					if err := lim.WaitN(ctx, "w", n); err != nil {
-						return
-					}
-					tokens.Add(n)
-					grants.Add(1)
-					if n == 5 {
-						big.Add(1)
-					}
-				}
-			})
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		const rate, burst = 20, 10
+		var lims []*Limiter
+		for range 3 {
+			lims = append(lims, newLimiter(t, Config{Redis: srv.client(t), Limit: Limit{Rate: rate, Burst: burst},
+				Instances: 3, Heartbeat: -1, Timeout: time.Second}))
 		}
-	}
-	wg.Wait()
-	calls := srv.ScriptCalls(t) - before
-	t.Logf("4 s, 12 waiters: %d tokens in %d grants (%d of them of 5 tokens), %d script calls", tokens.Load(), grants.Load(), big.Load(), calls)
-	if max := int64(rate*4 + burst); tokens.Load() > max {
-		t.Errorf("granted %d tokens in 4 s; want at most %d", tokens.Load(), max)
-	}
-	if big.Load() < 3 {
-		t.Errorf("the waiter for 5 tokens was granted %d times in 4 s; want at least 3 (its turn comes every 16 tokens, 0.8 s)", big.Load())
-	}
-	if calls > 2*grants.Load()+12 {
-		t.Errorf("%d script calls for %d grants; want at most 2 per grant (and one last call per waiter)", calls, grants.Load())
-	}
+		ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
+		defer cancel()
+		before := srv.scriptCalls(t)
+		var wg sync.WaitGroup
+		var tokens, grants, big atomic.Int64
+		for i, lim := range lims {
+			for w := range 4 {
+				n := int64(1)
+				if i == 0 && w == 0 {
+					n = 5
+				}
+				wg.Go(func() {
+					for ctx.Err() == nil {
+						if err := lim.WaitN(ctx, "w", n); err != nil {
+							return
+						}
+						tokens.Add(n)
+						grants.Add(1)
+						if n == 5 {
+							big.Add(1)
+						}
+					}
+				})
+			}
+		}
+		wg.Wait()
+		calls := srv.scriptCalls(t) - before
+		t.Logf("4 s, 12 waiters: %d tokens in %d grants (%d of them of 5 tokens), %d script calls", tokens.Load(), grants.Load(), big.Load(), calls)
+		if max := int64(rate*4 + burst); tokens.Load() > max {
+			t.Errorf("granted %d tokens in 4 s; want at most %d", tokens.Load(), max)
+		}
+		if big.Load() < 3 {
+			t.Errorf("the waiter for 5 tokens was granted %d times in 4 s; want at least 3 (its turn comes every 16 tokens, 0.8 s)", big.Load())
+		}
+		if calls > 2*grants.Load()+12 {
+			t.Errorf("%d script calls for %d grants; want at most 2 per grant (and one last call per waiter)", calls, grants.Load())
+		}
+	})
 }
 
 // TestRefundKeepsOffAnOpenBreaker: a Refund while the node's breaker is
