@@ -5,9 +5,11 @@ import (
 	"net"
 	"testing"
 	"testing/synctest"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/hybridlimit/hybridlimit/internal/faultproxy"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
 	"github.com/hybridlimit/hybridlimit/internal/simnet"
 	"github.com/hybridlimit/hybridlimit/internal/simredis"
@@ -26,6 +28,7 @@ var realtime = flag.Bool("realtime", false, "run the accuracy tests against real
 // test offers cost milliseconds.
 type testRedis struct {
 	srv  *redistest.Server // with -realtime
+	px   *faultproxy.Proxy // between srv and its clients, once proxy is called
 	sim  *simredis.Server  // otherwise
 	link *simnet.Link      // every connection to sim
 }
@@ -57,9 +60,12 @@ func realRedis(tb testing.TB) *testRedis {
 // client returns a new client of default options, closed by tb.Cleanup.
 func (r *testRedis) client(tb testing.TB) *redis.Client {
 	var c *redis.Client
-	if r.srv != nil {
+	switch {
+	case r.px != nil:
+		c = redis.NewClient(&redis.Options{Addr: r.px.Addr()})
+	case r.srv != nil:
 		c = redis.NewClient(&redis.Options{Addr: r.srv.Addr()})
-	} else {
+	default:
 		c = redis.NewClient(&redis.Options{
 			Addr:   "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
 			Dialer: r.link.Dialer(func(c net.Conn) { r.sim.Serve(c, 0) }),
@@ -104,4 +110,39 @@ func (r *testRedis) scriptCalls(tb testing.TB) int64 {
 		return r.srv.ScriptCalls(tb)
 	}
 	return int64(r.sim.Calls())
+}
+
+// proxy puts a fault proxy between Redis and the clients made from now on,
+// for delay and blackhole: on a real server a TCP proxy (faultproxy); in the
+// simulation the link every client dials already is one.
+func (r *testRedis) proxy(tb testing.TB) {
+	if r.srv != nil {
+		r.px = faultproxy.Start(tb, r.srv.Addr())
+	}
+}
+
+// delay delays what goes either way between Redis and its clients by d.
+func (r *testRedis) delay(d time.Duration) {
+	if r.px != nil {
+		r.px.SetDelay(d)
+		return
+	}
+	r.link.SetLatency(2 * d) // a reply's delay: the round trip
+}
+
+// blackhole makes the network lose everything between Redis and its
+// clients while on; connections stay open. (The simulated link holds what
+// is sent instead and delivers it when the hole closes: either way a
+// command sent into it is answered, if ever, after its budget, and the
+// connection is dropped by go-redis.)
+func (r *testRedis) blackhole(on bool) {
+	if r.px != nil {
+		r.px.Blackhole(on)
+		return
+	}
+	if on {
+		r.link.Hang()
+	} else {
+		r.link.Resume()
+	}
 }
