@@ -1,6 +1,7 @@
 package hybridlimit
 
 import (
+	"context"
 	"flag"
 	"net"
 	"testing"
@@ -145,4 +146,24 @@ func (r *testRedis) blackhole(on bool) {
 	} else {
 		r.link.Resume()
 	}
+}
+
+// clients returns n new clients, as client does.
+func (r *testRedis) clients(tb testing.TB, n int) []redis.UniversalClient {
+	out := make([]redis.UniversalClient, n)
+	for i := range out {
+		out[i] = r.client(tb)
+	}
+	return out
+}
+
+// scriptFlush empties Redis's script cache, as SCRIPT FLUSH does.
+func (r *testRedis) scriptFlush(tb testing.TB) {
+	if r.srv != nil {
+		if err := r.srv.Client(tb).ScriptFlush(context.Background()).Err(); err != nil {
+			tb.Errorf("SCRIPT FLUSH: %v", err)
+		}
+		return
+	}
+	r.sim.FlushScripts()
 }

@@ -641,37 +641,35 @@ func firstAfter(ts []time.Time, t time.Time) time.Time {
 // 500 decisions are allowed, every one by Redis, and no breaker opens.
 func TestFaultScriptFlush(t *testing.T) {
 	leakCheck(t)
-	srv := redistest.Start(t)
-	admin := srv.Client(t)
-	const burst = 500
-	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{Limit: Limit{Rate: 1e-3, Burst: burst}})
-	var events []loadgen.Event
-	flushes := 0
-	for at := 200 * time.Millisecond; at < 3*time.Second; at += 200 * time.Millisecond {
-		events = append(events, loadgen.Event{At: at, Do: func() {
-			if err := admin.ScriptFlush(context.Background()).Err(); err != nil {
-				t.Errorf("SCRIPT FLUSH: %v", err)
-			}
-			flushes++
-		}})
-	}
-	res := r.run(3*time.Second, nil, events...)
-	allowed, total := 0, 0
-	for _, s := range res.Seconds {
-		allowed += s.Allowed
-		total += s.Total()
-	}
-	t.Logf("%d SCRIPT FLUSH; %d allowed of %d; breaker transitions %s", flushes, allowed, total, describeOpens(r))
-	r.checkNoErrors()
-	r.checkModes(0, 3*time.Second, ModeRemote)
-	if want := min(total, burst); allowed != want {
-		t.Errorf("allowed %d of %d; want exactly %d", allowed, total, want)
-	}
-	for i, lr := range r.logs {
-		if tr := lr.transitions(); len(tr) > 0 {
-			t.Errorf("instance %d: breaker transitions %v; want none", i, tr)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		const burst = 500
+		r := newRig(t, srv.clients(t, loadInstances), Config{Limit: Limit{Rate: 1e-3, Burst: burst}})
+		var events []loadgen.Event
+		flushes := 0
+		for at := 200 * time.Millisecond; at < 3*time.Second; at += 200 * time.Millisecond {
+			events = append(events, loadgen.Event{At: at, Do: func() {
+				srv.scriptFlush(t)
+				flushes++
+			}})
 		}
-	}
+		res := r.run(3*time.Second, nil, events...)
+		allowed, total := 0, 0
+		for _, s := range res.Seconds {
+			allowed += s.Allowed
+			total += s.Total()
+		}
+		t.Logf("%d SCRIPT FLUSH; %d allowed of %d; breaker transitions %s", flushes, allowed, total, describeOpens(r))
+		r.checkNoErrors()
+		r.checkModes(0, 3*time.Second, ModeRemote)
+		if want := min(total, burst); allowed != want {
+			t.Errorf("allowed %d of %d; want exactly %d", allowed, total, want)
+		}
+		for i, lr := range r.logs {
+			if tr := lr.transitions(); len(tr) > 0 {
+				t.Errorf("instance %d: breaker transitions %v; want none", i, tr)
+			}
+		}
+	})
 }
 
 // TestFaultPolicies (scenario 11): Redis paused from 2s to 4s of a 6s run

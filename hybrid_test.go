@@ -405,29 +405,30 @@ func TestPausedRedis(t *testing.T) {
 // TestPolicies: while Redis is paused, FailOpen allows and FailClosed denies
 // everything, each with its Mode and a nil error.
 func TestPolicies(t *testing.T) {
-	srv := redistest.Start(t)
-	srv.Pause(t)
-	defer srv.Resume(t)
-	for _, tc := range []struct {
-		p       FailurePolicy
-		allowed bool
-		mode    Mode
-	}{
-		{FailOpen, true, ModeFailOpen},
-		{FailClosed, false, ModeFailClosed},
-	} {
-		lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(5), OnFailure: tc.p,
-			Timeout: 20 * time.Millisecond})
-		for i := range 20 {
-			d, err := lim.Allow(context.Background(), "k")
-			if err != nil || d.Allowed != tc.allowed || d.Mode != tc.mode {
-				t.Fatalf("%v: decision %d = %+v, %v; want allowed=%v mode %v", tc.p, i, d, err, tc.allowed, tc.mode)
-			}
-			if !d.Allowed && d.RetryAfter <= 0 {
-				t.Errorf("%v: denied with RetryAfter %v; want > 0", tc.p, d.RetryAfter)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		srv.pause(t)
+		defer srv.resume(t)
+		for _, tc := range []struct {
+			p       FailurePolicy
+			allowed bool
+			mode    Mode
+		}{
+			{FailOpen, true, ModeFailOpen},
+			{FailClosed, false, ModeFailClosed},
+		} {
+			lim := newLimiter(t, Config{Redis: srv.client(t), Limit: PerSecond(5), OnFailure: tc.p,
+				Timeout: 20 * time.Millisecond})
+			for i := range 20 {
+				d, err := lim.Allow(context.Background(), "k")
+				if err != nil || d.Allowed != tc.allowed || d.Mode != tc.mode {
+					t.Fatalf("%v: decision %d = %+v, %v; want allowed=%v mode %v", tc.p, i, d, err, tc.allowed, tc.mode)
+				}
+				if !d.Allowed && d.RetryAfter <= 0 {
+					t.Errorf("%v: denied with RetryAfter %v; want > 0", tc.p, d.RetryAfter)
+				}
 			}
 		}
-	}
+	})
 }
 
 // TestCallerCancellation: decisions whose context is cancelled or expires
