@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"net"
+	"runtime"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -43,13 +44,29 @@ func withRedis(t *testing.T, f func(t *testing.T, r *testRedis)) {
 		f(t, &testRedis{srv: redistest.Start(t)})
 		return
 	}
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		r := &testRedis{sim: simredis.New(), link: simnet.NewLink()}
 		// Registered first, so run last: once the limiters and clients
 		// the test registers are closed, the server's connections end.
 		t.Cleanup(r.sim.Close)
 		f(t, r)
 	})
+}
+
+// bubble runs f in a synctest bubble with go-redis's package-level pool of
+// timers empty on the way in and out: the pool keeps the timers of
+// connection waits for reuse, and a timer made in a bubble is fatal to use
+// from outside it, in another bubble or in a test on a real server (a
+// GC moves a sync.Pool's contents to its victim cache, a second drops
+// them).
+func bubble(t *testing.T, f func(*testing.T)) {
+	runtime.GC()
+	runtime.GC()
+	defer func() {
+		runtime.GC()
+		runtime.GC()
+	}()
+	synctest.Test(t, f)
 }
 
 // realRedis returns a testRedis on a fresh redis-server, for benchmarks
@@ -97,8 +114,8 @@ func (r *testRedis) resume(tb testing.TB) {
 
 // simClient returns a client of a fresh simulated Redis, whose bucket is
 // lua/tokenbucket.lua's (simredis.TestModelMatchesRedis), for a test
-// inside a synctest bubble: time stands still until every goroutine of
-// the bubble waits on it, and a test moves it with time.Sleep.
+// inside a bubble: time stands still until every goroutine of the bubble
+// waits on it, and a test moves it with time.Sleep.
 func simClient(t *testing.T) *redis.Client {
 	r := &testRedis{sim: simredis.New(), link: simnet.NewLink()}
 	t.Cleanup(r.sim.Close) // after the client's Close, registered next

@@ -10,7 +10,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"testing/synctest"
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
@@ -51,7 +50,7 @@ func (c *fakeClock) Add(d time.Duration) {
 func TestCachedDenialsMatchRedis(t *testing.T) {
 	// In a bubble, against the simulated Redis: the limiters and Redis
 	// share the virtual clock, which only the test moves.
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		c := simClient(t)
 		limit := Limit{Rate: 10, Burst: 5}
 		// The test compares answers: a budget no stall of a busy machine

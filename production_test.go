@@ -6,7 +6,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"testing/synctest"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -142,7 +141,7 @@ func TestCachedDenialsEveryLimit(t *testing.T) {
 	// In a bubble time stands still (every denial is due) while the
 	// simulated Redis answers in virtual time: 1,001 limiters cost a
 	// fraction of what they cost on miniredis's Lua under -race.
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		c := simClient(t)
 		ctx := context.Background()
 		limits := []Limit{{Rate: 1.0 / 3, Burst: 3}}
