@@ -17,14 +17,14 @@ import (
 	"github.com/hybridlimit/hybridlimit/internal/simredis"
 )
 
-// realtime moves the accuracy tests (those that run through withRedis) from
-// the simulated Redis at virtual time onto real redis-server processes at
-// wall-clock time. The bounds they assert are the same either way: the
-// default run checks that the design holds them, the real run that a real
-// server and network do not change that (docs/accuracy.md).
-var realtime = flag.Bool("realtime", false, "run the accuracy tests against real redis-server processes at wall-clock time, not the simulated Redis at virtual time")
+// realtime moves the tests that run through withRedis from the simulated
+// Redis at virtual time onto real redis-server processes at wall-clock
+// time. What they assert is the same either way: the default run checks
+// that the design holds it, the real run that a real server and network do
+// not change that (docs/faults.md, "Where the tests run").
+var realtime = flag.Bool("realtime", false, "run the tests that use the simulated Redis at virtual time against real redis-server processes at wall-clock time instead")
 
-// testRedis is the Redis an accuracy test runs against: a redis-server
+// testRedis is the Redis such a test runs against: a redis-server
 // process, or simredis over one simnet link inside the test's
 // testing/synctest bubble, where time is virtual and the seconds of load a
 // test offers cost milliseconds.
@@ -70,7 +70,8 @@ func bubble(t *testing.T, f func(*testing.T)) {
 }
 
 // realRedis returns a testRedis on a fresh redis-server, for benchmarks
-// (synctest runs only tests).
+// (synctest runs only tests) and for tests of what the simulated Redis
+// does not model (the fleet's heartbeat script).
 func realRedis(tb testing.TB) *testRedis {
 	return &testRedis{srv: redistest.Start(tb)}
 }
