@@ -40,7 +40,11 @@ var discard = slog.New(slog.DiscardHandler)
 var epoch = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
 
 // newLimiter returns a Limiter on a fresh miniredis whose clock stands at
-// epoch, closed by t.Cleanup.
+// epoch, closed by t.Cleanup. Unless cfg says otherwise its budget is one
+// that no stall of a busy machine reaches: these tests check what the
+// middleware does with Redis's answers, and miniredis runs each script in
+// a fresh Lua state, so under -race beside other test runs a decision took
+// more than the default 50 ms and came back degraded.
 func newLimiter(t *testing.T, cfg hybridlimit.Config) *hybridlimit.Limiter {
 	t.Helper()
 	m := miniredis.RunT(t)
@@ -48,6 +52,9 @@ func newLimiter(t *testing.T, cfg hybridlimit.Config) *hybridlimit.Limiter {
 	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
 	t.Cleanup(func() { c.Close() })
 	cfg.Redis = c
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 5 * time.Second
+	}
 	return limiterOn(t, cfg)
 }
 
