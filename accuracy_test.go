@@ -1,6 +1,7 @@
 package hybridlimit
 
 import (
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
@@ -10,10 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/hybridlimit/hybridlimit/internal/loadgen"
-	"github.com/hybridlimit/hybridlimit/internal/redistest"
 )
 
 // outage describes one accuracy run: the fault suite's load (Rate 100/s,
@@ -27,6 +25,9 @@ type outage struct {
 	noHandoff, noReconcile, noFleet bool
 	// join adds a fourth instance (Instances stays 3) before the outage.
 	join bool
+	// until ends the load early, before runFor: a test that checks only
+	// the seconds of the outage need not wait for those of the recovery.
+	until time.Duration
 }
 
 func (o outage) String() string {
@@ -53,11 +54,10 @@ const (
 	runFor   = 8 * time.Second
 )
 
-// runOutage runs o against a fresh redis-server and returns the seconds of
+// runOutage runs o against srv, a fresh Redis, and returns the seconds of
 // all instances together.
-func runOutage(t testing.TB, o outage) []loadgen.Second {
+func runOutage(t testing.TB, srv *testRedis, o outage) []loadgen.Second {
 	t.Helper()
-	srv := redistest.Start(t)
 	n := 3
 	if o.join {
 		n = 4
@@ -73,7 +73,7 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 	var lims []*Limiter
 	for range n {
 		cfg := Config{
-			Redis:     redis.NewClient(&redis.Options{Addr: srv.Addr()}),
+			Redis:     srv.client(t),
 			Limit:     PerSecond(100),
 			Instances: 3,
 			Timeout:   50 * time.Millisecond,
@@ -87,8 +87,6 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 		if o.noFleet {
 			cfg.Heartbeat = -1
 		}
-		c := cfg.Redis.(*redis.Client)
-		t.Cleanup(func() { c.Close() })
 		lim := newLimiter(t, cfg)
 		lims = append(lims, lim)
 		deciders = append(deciders, decider(lim))
@@ -96,7 +94,7 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 	resumed := false
 	t.Cleanup(func() {
 		if !resumed {
-			srv.Resume(t)
+			srv.resume(t)
 		}
 	})
 	res := loadgen.Run(context.Background(), loadgen.Config{
@@ -104,11 +102,11 @@ func runOutage(t testing.TB, o outage) []loadgen.Second {
 		Weights:   weights,
 		Workers:   4,
 		Rate:      200,
-		Duration:  runFor,
+		Duration:  cmp.Or(o.until, runFor),
 		Events: []loadgen.Event{
-			{At: pauseAt, Do: func() { srv.Pause(t) }},
+			{At: pauseAt, Do: func() { srv.pause(t) }},
 			{At: pauseAt + time.Second, Do: func() { logShares(t, lims, "k") }},
-			{At: resumeAt, Do: func() { srv.Resume(t); resumed = true }},
+			{At: resumeAt, Do: func() { srv.resume(t); resumed = true }},
 		},
 	})
 	t.Logf("%v:\n%s", o, loadgen.Table(res.Seconds))
@@ -164,30 +162,36 @@ func checkSeconds(t *testing.T, secs []loadgen.Second, what string, from, to, lo
 // fallback admitted 188: every local bucket started full while the shared
 // one was empty), and no second of the outage admits less than 85.
 func TestHandoff(t *testing.T) {
-	secs := runOutage(t, outage{policy: FailLocal})
-	checkSeconds(t, secs, "switch", 2, 2, 85, 110)
-	checkSeconds(t, secs, "outage", 3, 4, 85, 110)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		secs := runOutage(t, srv, outage{policy: FailLocal})
+		checkSeconds(t, secs, "switch", 2, 2, 85, 110)
+		checkSeconds(t, secs, "outage", 3, 4, 85, 110)
+	})
 }
 
 // TestReconcile: the first two seconds after recovery each admit at most
 // 110, although the shared bucket refilled in Redis time all along.
 func TestReconcile(t *testing.T) {
-	secs := runOutage(t, outage{policy: FailLocal})
-	checkSeconds(t, secs, "recovery", 5, 6, 0, 110)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		secs := runOutage(t, srv, outage{policy: FailLocal})
+		checkSeconds(t, secs, "recovery", 5, 6, 0, 110)
+	})
 }
 
 // TestFleetShares: with 3 instances offered 80/15/5 of the load, every
 // second of the outage admits 85 to 110 in total (equal static shares admit
 // about 73 there).
 func TestFleetShares(t *testing.T) {
-	secs := runOutage(t, outage{policy: FailLocal, weights: []float64{80, 15, 5}})
+	srv := realRedis(t)
+	secs := runOutage(t, srv, outage{policy: FailLocal, weights: []float64{80, 15, 5}, until: resumeAt})
 	checkSeconds(t, secs, "uneven outage", 2, 4, 85, 110)
 }
 
 // TestFleetJoin: a fourth instance joins (Instances still says 3); the
 // shares follow the live fleet without any configuration change.
 func TestFleetJoin(t *testing.T) {
-	secs := runOutage(t, outage{policy: FailLocal, join: true})
+	srv := realRedis(t)
+	secs := runOutage(t, srv, outage{policy: FailLocal, join: true, until: resumeAt})
 	checkSeconds(t, secs, "4 instances", 2, 4, 85, 110)
 }
 
@@ -223,7 +227,7 @@ func BenchmarkAccuracyTable(b *testing.B) {
 	} {
 		b.Run(o.String(), func(b *testing.B) {
 			for b.Loop() {
-				secs := runOutage(b, o)
+				secs := runOutage(b, realRedis(b), o)
 				if *accuracy != "" {
 					appendAccuracy(b, *accuracy, o, secs)
 				}
@@ -232,21 +236,20 @@ func BenchmarkAccuracyTable(b *testing.B) {
 	}
 }
 
-// runSticky runs the outage of runOutage on two keys at once: key A
-// offered 200/s, all of it on instance 0 (sticky routing), and key B
+// runSticky runs the outage of runOutage on two keys at once, for d: key
+// A offered 200/s, all of it on instance 0 (sticky routing), and key B
 // offered 200/s evenly over the three instances. It returns the allowed
 // decisions of each key per second.
-func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
+func runSticky(t testing.TB, srv *testRedis, noKeyShares bool, d time.Duration) (a, b []int) {
 	t.Helper()
-	srv := redistest.Start(t)
-	const seconds = int(runFor / time.Second)
-	var counts [2][seconds]atomic.Int64
+	seconds := int(d / time.Second)
+	counts := [2][]atomic.Int64{make([]atomic.Int64, seconds), make([]atomic.Int64, seconds)}
 	start := time.Now()
 	var deciders []loadgen.Decide
 	var lims []*Limiter
 	for range 3 {
 		cfg := Config{
-			Redis:       redis.NewClient(&redis.Options{Addr: srv.Addr()}),
+			Redis:       srv.client(t),
 			Limit:       PerSecond(100),
 			Instances:   3,
 			Timeout:     50 * time.Millisecond,
@@ -254,8 +257,6 @@ func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
 			Heartbeat:   200 * time.Millisecond,
 			noKeyShares: noKeyShares,
 		}
-		c := cfg.Redis.(*redis.Client)
-		t.Cleanup(func() { c.Close() })
 		lim := newLimiter(t, cfg)
 		lims = append(lims, lim)
 		decide := decider(lim)
@@ -270,7 +271,7 @@ func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
 	resumed := false
 	t.Cleanup(func() {
 		if !resumed {
-			srv.Resume(t)
+			srv.resume(t)
 		}
 	})
 	start = time.Now()
@@ -281,7 +282,7 @@ func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
 		Weights:  []float64{200 + 200.0/3, 200.0 / 3, 200.0 / 3},
 		Workers:  4,
 		Rate:     400,
-		Duration: runFor,
+		Duration: d,
 		Key: func(instance, worker, i int) string {
 			if instance == 0 && i%4 != 0 {
 				return "A"
@@ -289,9 +290,9 @@ func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
 			return "B"
 		},
 		Events: []loadgen.Event{
-			{At: pauseAt, Do: func() { srv.Pause(t) }},
+			{At: pauseAt, Do: func() { srv.pause(t) }},
 			{At: pauseAt + time.Second, Do: func() { logShares(t, lims, "A", "B") }},
-			{At: resumeAt, Do: func() { srv.Resume(t); resumed = true }},
+			{At: resumeAt, Do: func() { srv.resume(t); resumed = true }},
 		},
 	})
 	for s := range seconds {
@@ -306,7 +307,8 @@ func runSticky(t testing.TB, noKeyShares bool) (a, b []int) {
 // three keeps at least 85% of its limit through an outage (its instance's
 // weight gave it about half), while a key spread evenly stays at 85-110%.
 func TestKeyShares(t *testing.T) {
-	a, b := runSticky(t, false)
+	srv := realRedis(t)
+	a, b := runSticky(t, srv, false, resumeAt)
 	check := func(secs []int, what string, lo, hi int) {
 		t.Helper()
 		for s := 2; s <= 4; s++ {

@@ -99,8 +99,7 @@ func BenchmarkLocalSerial(b *testing.B) {
 
 // TestLocalPathAllocs: a local decision allocates nothing.
 func TestLocalPathAllocs(t *testing.T) {
-	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
-	defer c.Close()
+	c := refused(t)
 	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Heartbeat: -1, Instances: 1,
 		Breaker: BreakerConfig{OpenFor: time.Hour}})
 	ctx := context.Background()
@@ -145,8 +144,7 @@ func BenchmarkRemotePath(b *testing.B) {
 // TestKeySharePathAllocs: a local decision that looks up the key's part
 // allocates nothing.
 func TestKeySharePathAllocs(t *testing.T) {
-	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
-	defer c.Close()
+	c := refused(t)
 	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Instances: 1,
 		Breaker: BreakerConfig{OpenFor: time.Hour}})
 	ctx := context.Background()

@@ -468,6 +468,9 @@ func TestClusterFailover(t *testing.T) {
 // the first contact loads the library on every one of them, and then each
 // master's keys are decided by FCALL there.
 func TestClusterFunctions(t *testing.T) {
+	// Its checks take no time budget: it overlaps its Cluster's start (the
+	// masters wait 2 s before they report cluster_state:ok) with others'.
+	t.Parallel()
 	cl := redistest.StartCluster(t, 3)
 	const prefix = "fn:"
 	lim := newLimiter(t, Config{Redis: cl.Client(t), Limit: PerSecond(100), Prefix: prefix, Heartbeat: -1, Instances: 1, Timeout: time.Second})

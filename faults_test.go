@@ -474,7 +474,8 @@ func TestFaultKilled(t *testing.T) {
 	}
 }
 
-// TestFaultProxy (scenario 4): through a fault proxy, latency below the
+// TestFaultProxy (scenario 4): through a fault proxy (with -realtime; by
+// default the simulated network, at virtual time), latency below the
 // budget (5ms each way, 2s-4s: a new connection's first decision costs two
 // round trips, HELLO and EVALSHA, so 20ms) keeps decisions remote; latency
 // above it (120ms each way, 4s-6s) sends them local within the budget, and
@@ -488,35 +489,36 @@ func TestFaultKilled(t *testing.T) {
 // is not the latency under test.
 func TestFaultProxy(t *testing.T) {
 	leakCheck(t)
-	srv := redistest.Start(t)
-	px := faultproxy.Start(t, srv.Addr())
-	const timeout = 100 * time.Millisecond
-	r := newRig(t, clients(t, px.Addr(), loadInstances), Config{Timeout: timeout})
-	var fast, healed time.Time
-	res := r.run(14*time.Second, nil,
-		loadgen.Event{At: 2 * time.Second, Do: func() { px.SetDelay(5 * time.Millisecond) }},
-		loadgen.Event{At: 4 * time.Second, Do: func() { px.SetDelay(120 * time.Millisecond) }},
-		mark(6*time.Second, &fast, func() { px.SetDelay(0) }),
-		loadgen.Event{At: 7 * time.Second, Do: func() { px.Blackhole(true) }},
-		mark(9*time.Second, &healed, func() { px.Blackhole(false) }),
-	)
-	if healed.IsZero() {
-		t.Fatal("the run ended before the network healed")
-	}
-	t.Logf("breakers opened at %s", describeOpens(r))
-	r.checkNoErrors()
-	r.checkLatency(timeout + latencyMargin)
-	for _, s := range []int{1, 2} {
-		checkSecond(t, res, s, ModeRemote, 100, 0.2)
-	}
-	// A decision in flight at 4s meets the longer delay: stop short of it.
-	r.checkModes(2*time.Second, 3900*time.Millisecond, ModeRemote)
-	r.checkModes(4100*time.Millisecond, 6*time.Second, ModeLocal)
-	r.checkModes(7100*time.Millisecond, 9*time.Second, ModeLocal)
-	t.Log("after the delay:")
-	r.checkRecovery(fast, recoveryBound(BreakerConfig{}), 7*time.Second)
-	t.Log("after the black hole:")
-	r.checkRecovery(healed, recoveryBound(BreakerConfig{}), 14*time.Second)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		srv.proxy(t)
+		const timeout = 100 * time.Millisecond
+		r := newRig(t, []redis.UniversalClient{srv.client(t), srv.client(t), srv.client(t)}, Config{Timeout: timeout})
+		var fast, healed time.Time
+		res := r.run(14*time.Second, nil,
+			loadgen.Event{At: 2 * time.Second, Do: func() { srv.delay(5 * time.Millisecond) }},
+			loadgen.Event{At: 4 * time.Second, Do: func() { srv.delay(120 * time.Millisecond) }},
+			mark(6*time.Second, &fast, func() { srv.delay(0) }),
+			loadgen.Event{At: 7 * time.Second, Do: func() { srv.blackhole(true) }},
+			mark(9*time.Second, &healed, func() { srv.blackhole(false) }),
+		)
+		if healed.IsZero() {
+			t.Fatal("the run ended before the network healed")
+		}
+		t.Logf("breakers opened at %s", describeOpens(r))
+		r.checkNoErrors()
+		r.checkLatency(timeout + latencyMargin)
+		for _, s := range []int{1, 2} {
+			checkSecond(t, res, s, ModeRemote, 100, 0.2)
+		}
+		// A decision in flight at 4s meets the longer delay: stop short of it.
+		r.checkModes(2*time.Second, 3900*time.Millisecond, ModeRemote)
+		r.checkModes(4100*time.Millisecond, 6*time.Second, ModeLocal)
+		r.checkModes(7100*time.Millisecond, 9*time.Second, ModeLocal)
+		t.Log("after the delay:")
+		r.checkRecovery(fast, recoveryBound(BreakerConfig{}), 7*time.Second)
+		t.Log("after the black hole:")
+		r.checkRecovery(healed, recoveryBound(BreakerConfig{}), 14*time.Second)
+	})
 }
 
 // TestFaultResetRule (scenario 5, the rule): a node's breaker opens after
@@ -639,37 +641,35 @@ func firstAfter(ts []time.Time, t time.Time) time.Time {
 // 500 decisions are allowed, every one by Redis, and no breaker opens.
 func TestFaultScriptFlush(t *testing.T) {
 	leakCheck(t)
-	srv := redistest.Start(t)
-	admin := srv.Client(t)
-	const burst = 500
-	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{Limit: Limit{Rate: 1e-3, Burst: burst}})
-	var events []loadgen.Event
-	flushes := 0
-	for at := 200 * time.Millisecond; at < 3*time.Second; at += 200 * time.Millisecond {
-		events = append(events, loadgen.Event{At: at, Do: func() {
-			if err := admin.ScriptFlush(context.Background()).Err(); err != nil {
-				t.Errorf("SCRIPT FLUSH: %v", err)
-			}
-			flushes++
-		}})
-	}
-	res := r.run(3*time.Second, nil, events...)
-	allowed, total := 0, 0
-	for _, s := range res.Seconds {
-		allowed += s.Allowed
-		total += s.Total()
-	}
-	t.Logf("%d SCRIPT FLUSH; %d allowed of %d; breaker transitions %s", flushes, allowed, total, describeOpens(r))
-	r.checkNoErrors()
-	r.checkModes(0, 3*time.Second, ModeRemote)
-	if want := min(total, burst); allowed != want {
-		t.Errorf("allowed %d of %d; want exactly %d", allowed, total, want)
-	}
-	for i, lr := range r.logs {
-		if tr := lr.transitions(); len(tr) > 0 {
-			t.Errorf("instance %d: breaker transitions %v; want none", i, tr)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		const burst = 500
+		r := newRig(t, srv.clients(t, loadInstances), Config{Limit: Limit{Rate: 1e-3, Burst: burst}})
+		var events []loadgen.Event
+		flushes := 0
+		for at := 200 * time.Millisecond; at < 3*time.Second; at += 200 * time.Millisecond {
+			events = append(events, loadgen.Event{At: at, Do: func() {
+				srv.scriptFlush(t)
+				flushes++
+			}})
 		}
-	}
+		res := r.run(3*time.Second, nil, events...)
+		allowed, total := 0, 0
+		for _, s := range res.Seconds {
+			allowed += s.Allowed
+			total += s.Total()
+		}
+		t.Logf("%d SCRIPT FLUSH; %d allowed of %d; breaker transitions %s", flushes, allowed, total, describeOpens(r))
+		r.checkNoErrors()
+		r.checkModes(0, 3*time.Second, ModeRemote)
+		if want := min(total, burst); allowed != want {
+			t.Errorf("allowed %d of %d; want exactly %d", allowed, total, want)
+		}
+		for i, lr := range r.logs {
+			if tr := lr.transitions(); len(tr) > 0 {
+				t.Errorf("instance %d: breaker transitions %v; want none", i, tr)
+			}
+		}
+	})
 }
 
 // TestFaultPolicies (scenario 11): Redis paused from 2s to 4s of a 6s run

@@ -48,82 +48,85 @@ func (c *fakeClock) Add(d time.Duration) {
 // TestCachedDenialsMatchRedis: answering denials from what Redis said gives
 // exactly the answers Redis gives, on a key offered far more than its limit.
 func TestCachedDenialsMatchRedis(t *testing.T) {
-	m, c := miniClient(t)
-	clock := newFakeClock(m)
-	limit := Limit{Rate: 10, Burst: 5}
-	// The test compares answers: a budget no stall of a busy machine
-	// reaches, so that every decision is Redis's (or the cache's).
-	cached := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "cached:", now: clock.Now, Heartbeat: -1, Instances: 1,
-		Timeout: 5 * time.Second})
-	direct := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "direct:", now: clock.Now, Heartbeat: -1, Instances: 1,
-		Timeout: 5 * time.Second, noCache: true})
-	ctx := context.Background()
-	var allowed int
-	for i := range 2000 {
-		n := int64(1 + i%3)
-		a, err1 := cached.AllowN(ctx, "k", n)
-		b, err2 := direct.AllowN(ctx, "k", n)
-		if err1 != nil || err2 != nil || a.Allowed != b.Allowed || a.Remaining != b.Remaining ||
-			a.RetryAfter != b.RetryAfter || a.ResetAfter != b.ResetAfter {
-			t.Fatalf("decision %d (n=%d): cached %+v, %v; Redis %+v, %v", i, n, a, err1, b, err2)
+	// In a bubble, against the simulated Redis: the limiters and Redis
+	// share the virtual clock, which only the test moves.
+	bubble(t, func(t *testing.T) {
+		c := simClient(t)
+		limit := Limit{Rate: 10, Burst: 5}
+		// The test compares answers: a budget no stall of a busy machine
+		// reaches, so that every decision is Redis's (or the cache's).
+		cached := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "cached:", Heartbeat: -1, Instances: 1,
+			Timeout: 5 * time.Second})
+		direct := newLimiter(t, Config{Redis: c, Limit: limit, Prefix: "direct:", Heartbeat: -1, Instances: 1,
+			Timeout: 5 * time.Second, noCache: true})
+		ctx := context.Background()
+		var allowed int
+		for i := range 2000 {
+			n := int64(1 + i%3)
+			a, err1 := cached.AllowN(ctx, "k", n)
+			b, err2 := direct.AllowN(ctx, "k", n)
+			if err1 != nil || err2 != nil || a.Allowed != b.Allowed || a.Remaining != b.Remaining ||
+				a.RetryAfter != b.RetryAfter || a.ResetAfter != b.ResetAfter {
+				t.Fatalf("decision %d (n=%d): cached %+v, %v; Redis %+v, %v", i, n, a, err1, b, err2)
+			}
+			if a.Allowed {
+				allowed++
+			}
+			time.Sleep(7 * time.Millisecond) // 2000 × 7 ms = 14 s at 10/s
 		}
-		if a.Allowed {
-			allowed++
+		if allowed < 100 || allowed > 150 {
+			t.Errorf("allowed %d of 2000 over 14 s at 10/s with burst 5; want about 140", allowed)
 		}
-		clock.Add(7 * time.Millisecond) // 2000 × 7 ms = 14 s at 10/s
-	}
-	if allowed < 100 || allowed > 150 {
-		t.Errorf("allowed %d of 2000 over 14 s at 10/s with burst 5; want about 140", allowed)
-	}
+	})
 }
 
 // TestCachedDenialsSpareRedis: under abuse (one key offered 100 times its
 // limit from 3 instances), Redis sees about one call per allowed token plus
 // one per RetryAfter per instance, instead of every attempt.
 func TestCachedDenialsSpareRedis(t *testing.T) {
-	srv := redistest.Start(t)
-	calls := func() int64 { return srv.ScriptCalls(t) }
-	for _, cache := range []bool{true, false} {
-		srv.Do(t, "CONFIG", "RESETSTAT")
-		var lims []*Limiter
-		for range 3 {
-			lims = append(lims, newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(20),
-				Timeout: time.Second, Heartbeat: -1, Instances: 1, noCache: !cache, Prefix: "abuse" + strconv.FormatBool(cache)}))
-		}
-		var attempts, allowed atomic.Int64
-		deadline := time.Now().Add(time.Second)
-		var wg sync.WaitGroup
-		for _, lim := range lims {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for time.Now().Before(deadline) {
-					d, err := lim.Allow(context.Background(), "k")
-					if err != nil {
-						t.Error(err)
-						return
-					}
-					attempts.Add(1)
-					if d.Allowed {
-						allowed.Add(1)
-					}
-					time.Sleep(time.Millisecond) // about 2000 attempts/s: 100x the limit
-				}
-			}()
-		}
-		wg.Wait()
-		got := calls()
-		t.Logf("cache %v: %d attempts, %d allowed, %d script calls in Redis", cache, attempts.Load(), allowed.Load(), got)
-		if cache {
-			// One call per allowed token, plus one per RetryAfter (50 ms)
-			// per instance: 3 × 20 = 60 over the second; allow double.
-			if limit := allowed.Load() + 2*60; got > limit {
-				t.Errorf("with the cache Redis ran %d scripts for %d allowed; want at most %d", got, allowed.Load(), limit)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		for _, cache := range []bool{true, false} {
+			before := srv.scriptCalls(t)
+			var lims []*Limiter
+			for range 3 {
+				lims = append(lims, newLimiter(t, Config{Redis: srv.client(t), Limit: PerSecond(20),
+					Timeout: time.Second, Heartbeat: -1, Instances: 1, noCache: !cache, Prefix: "abuse" + strconv.FormatBool(cache)}))
 			}
-		} else if got < attempts.Load() {
-			t.Errorf("without the cache Redis ran %d scripts for %d attempts; want every attempt", got, attempts.Load())
+			var attempts, allowed atomic.Int64
+			deadline := time.Now().Add(time.Second)
+			var wg sync.WaitGroup
+			for _, lim := range lims {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for time.Now().Before(deadline) {
+						d, err := lim.Allow(context.Background(), "k")
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						attempts.Add(1)
+						if d.Allowed {
+							allowed.Add(1)
+						}
+						time.Sleep(time.Millisecond) // about 2000 attempts/s: 100x the limit
+					}
+				}()
+			}
+			wg.Wait()
+			got := srv.scriptCalls(t) - before
+			t.Logf("cache %v: %d attempts, %d allowed, %d script calls in Redis", cache, attempts.Load(), allowed.Load(), got)
+			if cache {
+				// One call per allowed token, plus one per RetryAfter (50 ms)
+				// per instance: 3 × 20 = 60 over the second; allow double.
+				if limit := allowed.Load() + 2*60; got > limit {
+					t.Errorf("with the cache Redis ran %d scripts for %d allowed; want at most %d", got, allowed.Load(), limit)
+				}
+			} else if got < attempts.Load() {
+				t.Errorf("without the cache Redis ran %d scripts for %d attempts; want every attempt", got, attempts.Load())
+			}
 		}
-	}
+	})
 }
 
 // TestSetLimit: the Redis bucket takes a new limit on its next decision and
@@ -174,8 +177,7 @@ func TestLimitFor(t *testing.T) {
 	}
 	m, c := miniClient(t)
 	clock := newFakeClock(m) // stands still: no refill
-	dead := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-	defer dead.Close()
+	dead := refused(t)
 	for _, tc := range []struct {
 		client redis.UniversalClient
 		mode   Mode
@@ -293,39 +295,40 @@ func TestObserverAndStats(t *testing.T) {
 // TestWaitHoldsTheLimit: workers on several instances that Wait for their
 // turn together get no more than the limit.
 func TestWaitHoldsTheLimit(t *testing.T) {
-	srv := redistest.Start(t)
-	const rate, burst = 50, 5
-	start := time.Now()
-	var granted atomic.Int64
-	var wg sync.WaitGroup
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	for range 3 {
-		lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: Limit{Rate: rate, Burst: burst},
-			Timeout: time.Second, Heartbeat: -1, Instances: 1})
-		for range 4 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for {
-					if err := lim.Wait(ctx, "jobs"); err != nil {
-						if !errors.Is(err, context.DeadlineExceeded) {
-							t.Errorf("Wait = %v", err)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		const rate, burst = 50, 5
+		start := time.Now()
+		var granted atomic.Int64
+		var wg sync.WaitGroup
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		for range 3 {
+			lim := newLimiter(t, Config{Redis: srv.client(t), Limit: Limit{Rate: rate, Burst: burst},
+				Timeout: time.Second, Heartbeat: -1, Instances: 1})
+			for range 4 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for {
+						if err := lim.Wait(ctx, "jobs"); err != nil {
+							if !errors.Is(err, context.DeadlineExceeded) {
+								t.Errorf("Wait = %v", err)
+							}
+							return
 						}
-						return
+						granted.Add(1)
 					}
-					granted.Add(1)
-				}
-			}()
+				}()
+			}
 		}
-	}
-	wg.Wait()
-	elapsed := time.Since(start).Seconds()
-	most := int64(burst + rate*elapsed + 1)
-	t.Logf("12 workers on 3 instances: %d granted in %.2fs (limit allows %d)", granted.Load(), elapsed, most)
-	if g := granted.Load(); g > most || g < most*8/10 {
-		t.Errorf("granted %d in %.2fs; want at most %d and not far below", g, elapsed, most)
-	}
+		wg.Wait()
+		elapsed := time.Since(start).Seconds()
+		most := int64(burst + rate*elapsed + 1)
+		t.Logf("12 workers on 3 instances: %d granted in %.2fs (limit allows %d)", granted.Load(), elapsed, most)
+		if g := granted.Load(); g > most || g < most*8/10 {
+			t.Errorf("granted %d in %.2fs; want at most %d and not far below", g, elapsed, most)
+		}
+	})
 }
 
 // TestWaitRespectsContext: a deadline too short for the wait ends it early.
@@ -346,8 +349,7 @@ func TestWaitRespectsContext(t *testing.T) {
 // TestRefund gives tokens back to the path that granted them.
 func TestRefund(t *testing.T) {
 	_, c := miniClient(t)
-	dead := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-	defer dead.Close()
+	dead := refused(t)
 	for _, client := range []redis.UniversalClient{c, dead} {
 		// The cache stays on: a refund must lift a denial it would answer.
 		lim := newLimiter(t, Config{Redis: client, Limit: PerSecond(3), Heartbeat: -1, Instances: 1})

@@ -178,15 +178,13 @@ func TestContract(t *testing.T) {
 	})
 	t.Run("local", func(t *testing.T) {
 		// Nothing listens on port 1: every call fails and FailLocal decides.
-		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-		defer c.Close()
+		c := refused(t)
 		now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), Instances: 1, now: func() time.Time { return now }})
 		run(t, lim, "k", steps(ModeLocal))
 	})
 	t.Run("fail-open", func(t *testing.T) {
-		c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-		defer c.Close()
+		c := refused(t)
 		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), OnFailure: FailOpen})
 		run(t, lim, "k", []allow{
 			{10, Decision{Allowed: true, Granted: 10, Mode: ModeFailOpen}},
@@ -196,8 +194,7 @@ func TestContract(t *testing.T) {
 }
 
 func TestLocalShare(t *testing.T) {
-	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
-	defer c.Close()
+	c := refused(t)
 	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	clock := func() time.Time { return now }
 	tests := []struct {
@@ -408,29 +405,30 @@ func TestPausedRedis(t *testing.T) {
 // TestPolicies: while Redis is paused, FailOpen allows and FailClosed denies
 // everything, each with its Mode and a nil error.
 func TestPolicies(t *testing.T) {
-	srv := redistest.Start(t)
-	srv.Pause(t)
-	defer srv.Resume(t)
-	for _, tc := range []struct {
-		p       FailurePolicy
-		allowed bool
-		mode    Mode
-	}{
-		{FailOpen, true, ModeFailOpen},
-		{FailClosed, false, ModeFailClosed},
-	} {
-		lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(5), OnFailure: tc.p,
-			Timeout: 20 * time.Millisecond})
-		for i := range 20 {
-			d, err := lim.Allow(context.Background(), "k")
-			if err != nil || d.Allowed != tc.allowed || d.Mode != tc.mode {
-				t.Fatalf("%v: decision %d = %+v, %v; want allowed=%v mode %v", tc.p, i, d, err, tc.allowed, tc.mode)
-			}
-			if !d.Allowed && d.RetryAfter <= 0 {
-				t.Errorf("%v: denied with RetryAfter %v; want > 0", tc.p, d.RetryAfter)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		srv.pause(t)
+		defer srv.resume(t)
+		for _, tc := range []struct {
+			p       FailurePolicy
+			allowed bool
+			mode    Mode
+		}{
+			{FailOpen, true, ModeFailOpen},
+			{FailClosed, false, ModeFailClosed},
+		} {
+			lim := newLimiter(t, Config{Redis: srv.client(t), Limit: PerSecond(5), OnFailure: tc.p,
+				Timeout: 20 * time.Millisecond})
+			for i := range 20 {
+				d, err := lim.Allow(context.Background(), "k")
+				if err != nil || d.Allowed != tc.allowed || d.Mode != tc.mode {
+					t.Fatalf("%v: decision %d = %+v, %v; want allowed=%v mode %v", tc.p, i, d, err, tc.allowed, tc.mode)
+				}
+				if !d.Allowed && d.RetryAfter <= 0 {
+					t.Errorf("%v: denied with RetryAfter %v; want > 0", tc.p, d.RetryAfter)
+				}
 			}
 		}
-	}
+	})
 }
 
 // TestCallerCancellation: decisions whose context is cancelled or expires

@@ -55,28 +55,28 @@ func TestLeaseExactCounts(t *testing.T) {
 // Lease 5 admit about the limit in every second after the first: leased
 // tokens are taken from the shared bucket, and spent within LeaseFor.
 func TestLeaseAccuracy(t *testing.T) {
-	srv := redistest.Start(t)
-	var deciders []loadgen.Decide
-	for range 3 {
-		c := redis.NewClient(&redis.Options{Addr: srv.Addr()})
-		t.Cleanup(func() { c.Close() })
-		deciders = append(deciders, decider(newLimiter(t, Config{
-			Redis: c, Limit: PerSecond(100), Instances: 3, Timeout: 50 * time.Millisecond,
-			Prefix: "leaseacc:", Lease: 5,
-		})))
-	}
-	res := loadgen.Run(context.Background(), loadgen.Config{
-		Instances: deciders, Workers: 4, Rate: 200, Duration: 4 * time.Second,
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		var deciders []loadgen.Decide
+		for range 3 {
+			c := srv.client(t)
+			deciders = append(deciders, decider(newLimiter(t, Config{
+				Redis: c, Limit: PerSecond(100), Instances: 3, Timeout: 50 * time.Millisecond,
+				Prefix: "leaseacc:", Lease: 5,
+			})))
+		}
+		res := loadgen.Run(context.Background(), loadgen.Config{
+			Instances: deciders, Workers: 4, Rate: 200, Duration: 4 * time.Second,
+		})
+		t.Logf("Lease 5:\n%s", loadgen.Table(res.Seconds))
+		checkSeconds(t, res.Seconds, "with leases", 1, 3, 90, 110)
+		leased := 0
+		for _, s := range res.Seconds {
+			leased += s.Modes["lease"]
+		}
+		if leased == 0 {
+			t.Errorf("no decision from a lease")
+		}
 	})
-	t.Logf("Lease 5:\n%s", loadgen.Table(res.Seconds))
-	checkSeconds(t, res.Seconds, "with leases", 1, 3, 90, 110)
-	leased := 0
-	for _, s := range res.Seconds {
-		leased += s.Modes["lease"]
-	}
-	if leased == 0 {
-		t.Errorf("no decision from a lease")
-	}
 }
 
 // TestLeaseLifecycle, on miniredis with a fake local clock: leased tokens

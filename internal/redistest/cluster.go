@@ -52,9 +52,16 @@ func startCluster(t testing.TB, masters, replicas int, opts ...Option) *Cluster 
 	if err != nil {
 		t.Fatal("redis-cli not found: install it with `apt-get install -y redis-server`")
 	}
+	first := []Option{func(c *config) { c.cluster = true }}
+	if replicas > 0 {
+		// Diskless sync waits 5 s for more replicas by default before it
+		// serves the first one (see StartReplicated): five seconds of
+		// every Cluster with replicas spent waiting for its links.
+		first = append(first, WithArgs("--repl-diskless-sync", "no"))
+	}
 	var all []*Server
 	for range masters * (1 + replicas) {
-		all = append(all, Start(t, append([]Option{func(c *config) { c.cluster = true }}, opts...)...))
+		all = append(all, Start(t, append(first[:len(first):len(first)], opts...)...))
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), joinTimeout)
 	defer cancel()
