@@ -9,6 +9,14 @@
 // Writes never block: each direction is an unbounded buffer, like a socket
 // whose peer reads eventually, so a pipeline written whole before its
 // replies are read cannot deadlock as it would on a net.Pipe.
+//
+// A server may read its end as a net.Conn from a goroutine of its own, or
+// hand it a Handler (ServerEnd.Handle), which answers in the goroutine
+// that made the bytes readable: the client's Write, or the Resume that
+// ended a hang. The second costs no goroutine per connection and no
+// hand-off per command, which under the race detector is most of a
+// round trip's cost; what the server sees and when, in virtual time, is
+// the same.
 package simnet
 
 import (
@@ -59,6 +67,9 @@ func (l *Link) setHung(h bool) {
 	for _, c := range conns {
 		c.up.kick()
 		c.down.kick()
+		if !h {
+			c.pump() // what was written meanwhile
+		}
 	}
 }
 
@@ -125,7 +136,7 @@ func (l *Link) Dial(serve func(net.Conn)) (net.Conn, error) {
 	l.mu.Unlock()
 	// The handshake is a round trip: its latency, like a reply's.
 	time.Sleep(delay)
-	serve(&serverEnd{c})
+	serve(&ServerEnd{c})
 	return c, nil
 }
 
@@ -142,7 +153,8 @@ type stream struct {
 	err      error // set when closed: what reads return once drained (io.EOF) or at once (reset)
 	hard     bool  // err is returned before buffered data
 	deadline time.Time
-	wake     chan struct{} // closed and replaced on every change
+	wake     chan struct{} // closed and replaced on a change while waiters > 0
+	waiters  int           // readers waiting on wake
 }
 
 func newStream() *stream { return &stream{wake: make(chan struct{})} }
@@ -155,11 +167,19 @@ func (s *stream) kick() {
 }
 
 func (s *stream) kickLocked() {
+	if s.waiters == 0 {
+		return // nobody to wake: a reader looks again before it waits
+	}
 	close(s.wake)
 	s.wake = make(chan struct{})
 }
 
 func (s *stream) write(b []byte, at time.Time) (int, error) {
+	return s.put(append([]byte(nil), b...), at)
+}
+
+// put is write of b, which s keeps: the caller must not touch it again.
+func (s *stream) put(b []byte, at time.Time) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.err != nil {
@@ -174,7 +194,7 @@ func (s *stream) write(b []byte, at time.Time) (int, error) {
 	if n := len(s.chunks); n > 0 && s.chunks[n-1].at.After(at) {
 		at = s.chunks[n-1].at // bytes keep their order
 	}
-	s.chunks = append(s.chunks, chunk{append([]byte(nil), b...), at})
+	s.chunks = append(s.chunks, chunk{b, at})
 	s.kickLocked()
 	return len(b), nil
 }
@@ -240,6 +260,7 @@ func (s *stream) read(b []byte, paused func() bool, useDeadline bool) (int, erro
 			wakeAt = s.deadline
 		}
 		wake := s.wake
+		s.waiters++
 		s.mu.Unlock()
 		var tc <-chan time.Time
 		if !wakeAt.IsZero() {
@@ -254,7 +275,34 @@ func (s *stream) read(b []byte, paused func() bool, useDeadline bool) (int, erro
 		case <-wake:
 		case <-tc:
 		}
+		s.mu.Lock()
+		s.waiters--
+		s.mu.Unlock()
 	}
+}
+
+// take removes and returns what is readable now, nil if nothing is, unless
+// paused() is true, and the error reads return once it is drained (nil
+// while open). After a hard close it returns nothing and the error.
+func (s *stream) take(paused func() bool) ([]byte, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.err != nil && s.hard {
+		return nil, s.err
+	}
+	if paused() {
+		return nil, nil
+	}
+	if len(s.chunks) > 0 && !time.Now().Before(s.chunks[0].at) {
+		b := s.chunks[0].b
+		s.chunks[0] = chunk{}
+		s.chunks = s.chunks[1:]
+		return b, nil
+	}
+	if len(s.chunks) == 0 {
+		return nil, s.err
+	}
+	return nil, nil
 }
 
 // Conn is the client end of a connection.
@@ -263,6 +311,11 @@ type Conn struct {
 	up   *stream // client to server
 	down *stream // server to client
 	once sync.Once
+
+	serving sync.Mutex // held while a Handler is given bytes: one at a time, in order
+	handler Handler    // nil: the server reads its end itself
+	done    func()     // called once when a handled connection ends
+	ended   bool       // the handled connection ended; protected by serving
 }
 
 var (
@@ -277,6 +330,7 @@ func (c *Conn) reset() {
 	c.up.close(errReset, true)
 	c.down.close(errReset, true)
 	c.forget()
+	c.pump()
 }
 
 func (c *Conn) forget() {
@@ -291,7 +345,8 @@ func (c *Conn) forget() {
 // and not while the link hangs.
 func (c *Conn) Read(b []byte) (int, error) { return c.down.read(b, c.link.isHung, true) }
 
-// Write sends b to the server. It never blocks.
+// Write sends b to the server. It never blocks; a Handler answers it
+// before Write returns, unless the link hangs.
 func (c *Conn) Write(b []byte) (int, error) {
 	c.up.mu.Lock()
 	dl := c.up.deadline
@@ -299,14 +354,71 @@ func (c *Conn) Write(b []byte) (int, error) {
 	if !dl.IsZero() && !time.Now().Before(dl) {
 		return 0, &net.OpError{Op: "write", Net: "sim", Err: os.ErrDeadlineExceeded}
 	}
-	return c.up.write(b, time.Now())
+	n, err := c.up.write(b, time.Now())
+	if err == nil {
+		c.pump()
+	}
+	return n, err
+}
+
+// Handler is a server's side of one connection, answering in the caller's
+// goroutine. Handle is given the bytes the client wrote, in order and one
+// call at a time, when the server would have read them (not while the
+// link hangs); it returns the bytes of its replies, which it must not
+// touch again, and false to close the connection after them.
+type Handler interface {
+	Handle(in []byte) (reply []byte, ok bool)
+}
+
+// pump hands what the server can read now to c's Handler, and ends the
+// connection as a server reading it would: at a reset, at the end of what
+// the client wrote before it closed, or when a reply cannot be sent.
+func (c *Conn) pump() {
+	c.serving.Lock()
+	defer c.serving.Unlock()
+	if c.handler == nil || c.ended {
+		return
+	}
+	for {
+		in, err := c.up.take(c.link.isHung)
+		if in == nil {
+			if err != nil {
+				c.endLocked()
+			}
+			return
+		}
+		reply, ok := c.handler.Handle(in)
+		if len(reply) > 0 {
+			if _, werr := c.down.put(reply, time.Now().Add(c.link.delay())); werr != nil {
+				ok = false
+			}
+		}
+		if !ok {
+			c.endLocked()
+			return
+		}
+	}
+}
+
+// endLocked closes the server's end of a handled connection. It requires
+// that c.serving is held.
+func (c *Conn) endLocked() {
+	c.ended = true
+	(&ServerEnd{c}).closeStreams()
+	if c.done != nil {
+		c.done()
+	}
 }
 
 // Close closes the connection; the server reads what was written, then EOF.
+// (Not after a hang the close came during: the link no longer knows the
+// connection when it resumes, and what was written waits until the
+// server closes its end.)
 func (c *Conn) Close() error {
 	c.up.close(io.EOF, false)
 	c.down.close(net.ErrClosed, true)
 	c.forget()
+	c.pump()
 	return nil
 }
 
@@ -392,29 +504,45 @@ func (c *Conn) SetReadDeadline(t time.Time) error { c.down.setDeadline(t); retur
 // SetWriteDeadline sets the write deadline.
 func (c *Conn) SetWriteDeadline(t time.Time) error { c.up.setDeadline(t); return nil }
 
-// serverEnd is the server's end of a Conn.
-type serverEnd struct{ c *Conn }
+// ServerEnd is the server's end of a Conn, as Dial hands it to serve.
+type ServerEnd struct{ c *Conn }
 
-func (s *serverEnd) Read(b []byte) (int, error) {
+// Handle serves the connection with h from now on instead of reads of s:
+// see Handler. done, if not nil, is called once when the connection ends
+// (a reset, the client's close, h's refusal or s.Close). Handle must be
+// called at most once, before anything reads s.
+func (s *ServerEnd) Handle(h Handler, done func()) {
+	s.c.serving.Lock()
+	s.c.handler, s.c.done = h, done
+	s.c.serving.Unlock()
+	s.c.pump()
+}
+
+func (s *ServerEnd) Read(b []byte) (int, error) {
 	return s.c.up.read(b, s.c.link.isHung, false)
 }
 
-func (s *serverEnd) Write(b []byte) (int, error) {
+func (s *ServerEnd) Write(b []byte) (int, error) {
 	return s.c.down.write(b, time.Now().Add(s.c.link.delay()))
 }
 
-func (s *serverEnd) Close() error {
-	s.c.down.close(io.EOF, false)
-	s.c.up.close(net.ErrClosed, true)
-	s.c.forget()
+func (s *ServerEnd) Close() error {
+	s.closeStreams()
+	s.c.pump() // a Handler's connection ends
 	return nil
 }
 
-func (s *serverEnd) LocalAddr() net.Addr              { return addr("server") }
-func (s *serverEnd) RemoteAddr() net.Addr             { return addr("client") }
-func (s *serverEnd) SetDeadline(time.Time) error      { return nil }
-func (s *serverEnd) SetReadDeadline(time.Time) error  { return nil }
-func (s *serverEnd) SetWriteDeadline(time.Time) error { return nil }
+func (s *ServerEnd) closeStreams() {
+	s.c.down.close(io.EOF, false)
+	s.c.up.close(net.ErrClosed, true)
+	s.c.forget()
+}
+
+func (s *ServerEnd) LocalAddr() net.Addr              { return addr("server") }
+func (s *ServerEnd) RemoteAddr() net.Addr             { return addr("client") }
+func (s *ServerEnd) SetDeadline(time.Time) error      { return nil }
+func (s *ServerEnd) SetReadDeadline(time.Time) error  { return nil }
+func (s *ServerEnd) SetWriteDeadline(time.Time) error { return nil }
 
 type addr string
 
