@@ -473,6 +473,15 @@ func (o *simObserver) ObserveBreaker(e BreakerEvent) {
 	}
 }
 
+// simBuffer is the size of each of the clients' buffers of a connection,
+// instead of go-redis's 32 KiB (128 KiB for pipelines): the simulator's
+// commands and replies are a few hundred bytes (the scripts' sources, ten
+// thousand, are written in parts, at the same instant), and a seed dials
+// hundreds of connections, whose buffers, cleared and tracked by the race
+// detector, were most of what it allocated. Nothing else about a client
+// changes with it.
+const simBuffer = 4 << 10
+
 // instance is one Limiter of the fleet and its client.
 type instance struct {
 	lim    *Limiter
@@ -610,7 +619,8 @@ func (r *simRun) run() {
 	start := func(i int) {
 		link := r.links[i]
 		client := redis.NewClient(&redis.Options{
-			Addr: "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
+			Addr:           "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
+			ReadBufferSize: simBuffer, WriteBufferSize: simBuffer, PipelineReadBufferSize: simBuffer, PipelineWriteBufferSize: simBuffer,
 			Dialer: func(context.Context, string, string) (net.Conn, error) {
 				c, err := link.Dial(func(c net.Conn) { r.srv.Serve(c, i) })
 				if err != nil || !s.TLS {
