@@ -806,22 +806,43 @@ func (r *simRun) share(i int) float64 {
 
 func (r *simRun) key(rng *rand.Rand, i int) string {
 	if r.s.Shape == "sticky" {
-		return fmt.Sprintf("k%d", i%r.s.Keys)
+		return simKey(i % r.s.Keys)
 	}
 	if rng.IntN(2) == 0 {
-		return "k0"
+		return simKey(0)
 	}
-	return fmt.Sprintf("k%d", rng.IntN(r.s.Keys))
+	return simKey(rng.IntN(r.s.Keys))
+}
+
+// simKeys are the traffic's keys' names, made once.
+var simKeys = [...]string{"k0", "k1", "k2", "k3", "k4"}
+
+// simKey returns the name of traffic key k.
+func simKey(k int) string {
+	if k < len(simKeys) {
+		return simKeys[k]
+	}
+	return fmt.Sprintf("k%d", k)
 }
 
 // traffic sends slot i's AllowN calls, each from a goroutine of its own,
-// at exponential gaps, until ctx ends.
+// at exponential gaps, until ctx ends. The goroutines are reused: a call
+// goes to one whose call ended, if any waits, or to a new one, so that a
+// seed does not pay, for every call, a goroutine's start and the growth
+// of its stack to go-redis's depth, which the race detector makes dear.
 func (r *simRun) traffic(ctx context.Context, i int, in *instance) {
 	s := r.s
 	rate := s.Offered * r.share(i)
 	rng := rand.New(rand.NewPCG(s.Seed, uint64(i)+1))
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
+	type job struct {
+		key    string
+		n      int64
+		dl     time.Duration
+		refund bool
+	}
+	idle := make(chan job) // to a goroutine whose call ended
 	var calls sync.WaitGroup
 	defer calls.Wait()
 	for {
@@ -845,11 +866,22 @@ func (r *simRun) traffic(ctx context.Context, i int, in *instance) {
 			dl = time.Duration(float64(s.Timeout) * (1.5 + 1.5*rng.Float64()))
 		}
 		refund := s.Refunds > 0 && rng.Float64() < s.Refunds
-		calls.Add(1)
-		go func() {
-			defer calls.Done()
-			r.call(in, i, key, n, dl, refund)
-		}()
+		j := job{key, n, dl, refund}
+		select {
+		case idle <- j:
+			continue
+		default:
+		}
+		calls.Go(func() {
+			for {
+				r.call(in, i, j.key, j.n, j.dl, j.refund)
+				select {
+				case j = <-idle:
+				case <-ctx.Done():
+					return
+				}
+			}
+		})
 	}
 }
 

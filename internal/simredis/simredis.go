@@ -43,6 +43,18 @@ func sha(src string) string {
 	return hex.EncodeToString(h[:])
 }
 
+// scriptSHA is sha(src), without hashing the two sources the server knows,
+// which every instance loads.
+func scriptSHA(src string) string {
+	switch src {
+	case lua.TokenBucket:
+		return bucketSHA
+	case lua.Fleet:
+		return fleetSHA
+	}
+	return sha(src)
+}
+
 type value struct {
 	s      []byte   // a string
 	fields []string // a hash: field, value, field, value ... in insertion order
@@ -348,10 +360,11 @@ func (s *Server) do(b []byte, args []string, tag int) []byte {
 // command runs one command. command requires that s.mu is held.
 func (s *Server) command(args []string, tag int) any {
 	now := s.now()
-	if m := s.redirect(args); m != "" {
+	name := strings.ToUpper(args[0])
+	if m := s.redirect(name, args); m != "" {
 		return rerror(m)
 	}
-	switch strings.ToUpper(args[0]) {
+	switch name {
 	case "PING":
 		return status("PONG")
 	case "CLIENT", "SELECT", "READONLY", "READWRITE", "ASKING":
@@ -409,7 +422,7 @@ func (s *Server) command(args []string, tag int) any {
 			if len(args) != 3 {
 				return rerror("ERR wrong number of arguments for 'script|load' command")
 			}
-			h := sha(args[2])
+			h := scriptSHA(args[2])
 			if h != bucketSHA && h != fleetSHA {
 				return rerror("ERR simredis runs only hybridlimit's scripts")
 			}
@@ -425,8 +438,8 @@ func (s *Server) command(args []string, tag int) any {
 			return rerror("ERR wrong number of arguments for 'eval' command")
 		}
 		h := strings.ToLower(args[1])
-		if strings.ToUpper(args[0]) == "EVAL" {
-			h = sha(args[1])
+		if name == "EVAL" {
+			h = scriptSHA(args[1])
 			if h != bucketSHA && h != fleetSHA {
 				return rerror("ERR simredis runs only hybridlimit's scripts")
 			}
