@@ -251,6 +251,7 @@ func (r *simRun) runCluster() {
 		client := redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs:          cl.Addrs(),
 			ReadBufferSize: simBuffer, WriteBufferSize: simBuffer, PipelineReadBufferSize: simBuffer, PipelineWriteBufferSize: simBuffer,
+			MaintNotificationsConfig: simMaint(),
 			Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
 				c, err := cl.Dialer(sc.links[i], i)(ctx, network, addr)
 				if err != nil || !s.TLS {

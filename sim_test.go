@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/hybridlimit/hybridlimit/internal/simnet"
 	"github.com/hybridlimit/hybridlimit/internal/simredis"
@@ -473,14 +474,27 @@ func (o *simObserver) ObserveBreaker(e BreakerEvent) {
 	}
 }
 
-// simBuffer is the size of each of the clients' buffers of a connection,
-// instead of go-redis's 32 KiB (128 KiB for pipelines): the simulator's
-// commands and replies are a few hundred bytes (the scripts' sources, ten
-// thousand, are written in parts, at the same instant), and a seed dials
-// hundreds of connections, whose buffers, cleared and tracked by the race
-// detector, were most of what it allocated. Nothing else about a client
-// changes with it.
+// The clients' options besides their address and dialer are go-redis's
+// defaults but for two, chosen for the simulator's speed where they change
+// nothing else a seed explores.
+
+// simBuffer is the size of each of the buffers of a connection, instead of
+// go-redis's 32 KiB (128 KiB for pipelines): the simulator's commands and
+// replies are a few hundred bytes (the scripts' sources, ten thousand, are
+// written in parts, at the same instant), and a seed dials up to hundreds
+// of connections, whose buffers, cleared and tracked by the race detector,
+// were most of what it allocated.
 const simBuffer = 4 << 10
+
+// simMaint turns off go-redis's maintenance notifications, which need
+// RESP3: simredis speaks RESP2 (it refuses HELLO), on which go-redis's
+// default mode turns them off at the first connection anyway, with no
+// command sent; setting them up first cost more than the rest of building
+// a client under the race detector. Each client has a config of its own:
+// go-redis may write to it.
+func simMaint() *maintnotifications.Config {
+	return &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
+}
 
 // instance is one Limiter of the fleet and its client.
 type instance struct {
@@ -621,6 +635,7 @@ func (r *simRun) run() {
 		client := redis.NewClient(&redis.Options{
 			Addr:           "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
 			ReadBufferSize: simBuffer, WriteBufferSize: simBuffer, PipelineReadBufferSize: simBuffer, PipelineWriteBufferSize: simBuffer,
+			MaintNotificationsConfig: simMaint(),
 			Dialer: func(context.Context, string, string) (net.Conn, error) {
 				c, err := link.Dial(func(c net.Conn) { r.srv.Serve(c, i) })
 				if err != nil || !s.TLS {
