@@ -1,11 +1,15 @@
 package hybridlimit
 
 import (
+	"bufio"
+	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"net"
@@ -14,6 +18,7 @@ import (
 	"runtime"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -40,7 +45,7 @@ var (
 	simSeeds = flag.Int("sim.seeds", 100, "simulator: seeds to run (from -sim.first); 2000 is the long run")
 	simFirst = flag.Uint64("sim.first", 1, "simulator: first seed")
 	simSeed  = flag.Int64("sim.seed", -1, "simulator: replay this one seed, shrink it, print its schedule and decisions")
-	simChild = flag.Bool("sim.child", false, "simulator: run the seeds here, one at a time, and print each one's result (for TestSim's own processes)")
+	simChild = flag.Bool("sim.child", false, "simulator: run the seeds read from stdin, one at a time, and print each one's result (for TestSim's own processes)")
 	simDump  = flag.Duration("sim.dump", 0, "simulator: with -sim.seed, print every goroutine's stack at this virtual time of the first run")
 	simTrace = flag.Bool("sim.trace", false, "simulator: with -sim.seed, print every breaker change and every change of an instance's mode")
 )
@@ -1510,10 +1515,10 @@ func (r *simRun) checkCharges(add func(string, string, ...any)) {
 // with how many seeds failed each invariant.
 //
 // The seeds run one bubble at a time in each of GOMAXPROCS processes (this
-// test binary, run again on a share of the seeds): go-redis keeps timers
-// in a package-level sync.Pool, and a timer made in one synctest bubble is
-// fatal to use in another, so bubbles in one process cannot overlap, and
-// the pool is emptied between them.
+// test binary, run again, handed one seed after another): go-redis keeps
+// timers in a package-level sync.Pool, and a timer made in one synctest
+// bubble is fatal to use in another, so bubbles in one process cannot
+// overlap, and the pool is emptied between them.
 func TestSim(t *testing.T) {
 	if *simSeed >= 0 {
 		replay(t, uint64(*simSeed))
@@ -1521,18 +1526,24 @@ func TestSim(t *testing.T) {
 	}
 	start := time.Now()
 	var results []seedResult
-	if procs := runtime.GOMAXPROCS(0); *simChild || procs == 1 || *simSeeds < 2*procs {
+	switch procs := runtime.GOMAXPROCS(0); {
+	case *simChild:
+		// One seed a line, each result printed before the next is read.
+		in := bufio.NewScanner(os.Stdin)
+		for in.Scan() {
+			seed, err := strconv.ParseUint(strings.TrimSpace(in.Text()), 10, 64)
+			if err != nil {
+				t.Fatalf("simulator process: seed %q: %v", in.Text(), err)
+			}
+			b, _ := json.Marshal(runSeed(t, seed))
+			fmt.Printf("%s%s\n", simResultPrefix, b)
+		}
+		return
+	case procs == 1 || *simSeeds < 2*procs:
 		for seed := *simFirst; seed < *simFirst+uint64(*simSeeds); seed++ {
 			results = append(results, runSeed(t, seed))
 		}
-		if *simChild {
-			for _, r := range results {
-				b, _ := json.Marshal(r)
-				fmt.Printf("%s%s\n", simResultPrefix, b)
-			}
-			return
-		}
-	} else {
+	default:
 		results = runChildren(t, procs)
 	}
 	elapsed := time.Since(start)
@@ -1550,7 +1561,12 @@ func TestSim(t *testing.T) {
 		}
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "%d seeds in %v (%.0f seeds/s)\n", len(results), elapsed.Round(time.Millisecond), float64(len(results))/elapsed.Seconds())
+	fmt.Fprintf(&b, "%d seeds in %v (%.0f seeds/s)", len(results), elapsed.Round(time.Millisecond), float64(len(results))/elapsed.Seconds())
+	slow := slices.SortedFunc(slices.Values(results), func(a, b seedResult) int { return cmp.Compare(b.Took, a.Took) })
+	for i, r := range slow[:min(3, len(slow))] {
+		fmt.Fprintf(&b, "%s seed %d %v", []string{"; slowest:", ","}[min(i, 1)], r.Seed, r.Took.Round(time.Millisecond))
+	}
+	b.WriteString("\n")
 	any := false
 	for _, name := range invariants {
 		seeds := failed[name]
@@ -1586,6 +1602,7 @@ type seedResult struct {
 	Seed     uint64
 	Failed   []string
 	Features []string
+	Took     time.Duration // wall time, its share of the pool's emptying too
 }
 
 // simResultPrefix starts the lines in which a child process reports a
@@ -1595,6 +1612,7 @@ const simResultPrefix = "SIMRESULT "
 // runSeed simulates seed in a bubble of its own, after emptying the
 // package-level pools that may hold another bubble's timers.
 func runSeed(t *testing.T, seed uint64) seedResult {
+	start := time.Now()
 	// A GC moves a sync.Pool's contents to its victim cache, a second
 	// drops them.
 	runtime.GC()
@@ -1606,11 +1624,13 @@ func runSeed(t *testing.T, seed uint64) seedResult {
 		r.Failed = append(r.Failed, name)
 	}
 	slices.Sort(r.Failed)
+	r.Took = time.Since(start)
 	return r
 }
 
-// runChildren runs the seeds in procs processes, each on every procs-th
-// seed, and gathers their results.
+// runChildren runs the seeds in procs processes and gathers their
+// results. Each process is handed its next seed when it reports one, so
+// that they finish together however the seeds' costs fall.
 func runChildren(t *testing.T, procs int) []seedResult {
 	exe, err := os.Executable()
 	if err != nil {
@@ -1618,37 +1638,71 @@ func runChildren(t *testing.T, procs int) []seedResult {
 	}
 	var (
 		wg      sync.WaitGroup
-		mu      sync.Mutex
+		mu      sync.Mutex // protects results
 		results []seedResult
+		next    atomic.Uint64 // seeds handed out
 	)
-	first, n := *simFirst, uint64(*simSeeds)
-	for p := range uint64(procs) {
-		lo, hi := first+n*p/uint64(procs), first+n*(p+1)/uint64(procs)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	end := uint64(*simSeeds)
+	take := func() (uint64, bool) {
+		n := next.Add(1) - 1
+		return *simFirst + n, n < end
+	}
+	for range procs {
+		wg.Go(func() {
 			cmd := exec.Command(exe, "-test.run=^TestSim$", "-test.count=1", "-test.timeout=0",
-				"-sim.child", fmt.Sprintf("-sim.first=%d", lo), fmt.Sprintf("-sim.seeds=%d", hi-lo),
-				fmt.Sprintf("-sim.cluster=%v", *simClusterShare))
+				"-sim.child", fmt.Sprintf("-sim.cluster=%v", *simClusterShare))
 			cmd.Env = append(os.Environ(), "GOMAXPROCS=1")
-			out, err := cmd.CombinedOutput()
-			var got []seedResult
-			for line := range strings.Lines(string(out)) {
-				if rest, ok := strings.CutPrefix(strings.TrimSpace(line), simResultPrefix); ok {
-					var r seedResult
-					if jerr := json.Unmarshal([]byte(rest), &r); jerr == nil {
-						got = append(got, r)
-					}
+			var stderr bytes.Buffer
+			cmd.Stderr = &stderr
+			stdin, err := cmd.StdinPipe()
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			stdout, err := cmd.StdoutPipe()
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if err := cmd.Start(); err != nil {
+				t.Error(err)
+				return
+			}
+			var tail []string // its output besides the results, for an error
+			handed := map[uint64]bool{}
+			hand := func() {
+				if seed, ok := take(); ok {
+					handed[seed] = true
+					fmt.Fprintf(stdin, "%d\n", seed)
+				} else {
+					stdin.Close()
 				}
 			}
-			if err != nil || len(got) != int(hi-lo) {
-				tail := out[max(0, len(out)-4000):]
-				t.Errorf("simulator process for seeds %d-%d: %v, %d of %d results; its output ends:\n%s", lo, hi-1, err, len(got), hi-lo, tail)
+			hand()
+			out := bufio.NewScanner(stdout)
+			out.Buffer(nil, 1<<20)
+			for out.Scan() {
+				line := out.Text()
+				rest, ok := strings.CutPrefix(strings.TrimSpace(line), simResultPrefix)
+				var r seedResult
+				if !ok || json.Unmarshal([]byte(rest), &r) != nil || !handed[r.Seed] {
+					tail = append(tail[max(0, len(tail)-40):], line)
+					continue
+				}
+				delete(handed, r.Seed)
+				mu.Lock()
+				results = append(results, r)
+				mu.Unlock()
+				hand()
 			}
-			mu.Lock()
-			results = append(results, got...)
-			mu.Unlock()
-		}()
+			stdin.Close()
+			err = cmd.Wait()
+			if err != nil || len(handed) > 0 {
+				lost := slices.Sorted(maps.Keys(handed))
+				t.Errorf("simulator process: %v, no result for seeds %v; its output ends:\n%s\n%s",
+					err, lost, strings.Join(tail, "\n"), stderr.Bytes()[max(0, stderr.Len()-4000):])
+			}
+		})
 	}
 	wg.Wait()
 	return results
