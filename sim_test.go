@@ -1528,6 +1528,13 @@ func TestSim(t *testing.T) {
 	var results []seedResult
 	switch procs := runtime.GOMAXPROCS(0); {
 	case *simChild:
+		// The two GCs before each seed leave a heap of a few MB, whose
+		// goal the runtime then returns the seed's pages to the OS by, for
+		// the next seed to fault in again: most of the process's system
+		// time, and a share of its own. A ballast, never touched and so
+		// never resident, keeps the goal above what a seed allocates.
+		ballast := make([]byte, 256<<20)
+		defer runtime.KeepAlive(ballast)
 		// One seed a line, each result printed before the next is read.
 		in := bufio.NewScanner(os.Stdin)
 		for in.Scan() {
