@@ -1268,28 +1268,33 @@ func (r *simRun) checkWindows(add func(string, string, ...any)) {
 				fmt.Printf("%12v inst %d %s: admitted %d (local %v, weight %.3f)\n", x.at, x.inst, key, x.n, x.local, x.weight)
 			}
 		}
+		// By slot, the largest weight and key share of a window's local
+		// admissions.
+		weights, parts := make([]float64, s.Slots), make([]float64, s.Slots)
 		check := func(a, b time.Duration) bool {
 			w := (b - a).Seconds()
 			base := rmax*w + float64(bmax)
 			var got int64
-			weights, parts := map[int]float64{}, map[int]float64{}
-			for _, x := range adm {
-				if x.at >= a && x.at < b {
-					got += x.n
-					switch {
-					case x.local && x.byPart:
-						parts[x.inst] = math.Max(parts[x.inst], x.weight)
-					case x.local:
-						weights[x.inst] = math.Max(weights[x.inst], x.weight)
-					}
+			clear(weights)
+			clear(parts)
+			// adm is in time order: the window's admissions are a run of it.
+			lo := sort.Search(len(adm), func(i int) bool { return adm[i].at >= a })
+			for _, x := range adm[lo:] {
+				if x.at >= b {
+					break
+				}
+				got += x.n
+				switch {
+				case x.local && x.byPart:
+					parts[x.inst] = math.Max(parts[x.inst], x.weight)
+				case x.local:
+					weights[x.inst] = math.Max(weights[x.inst], x.weight)
 				}
 			}
 			sum, keyShares := 0.0, 0.0
-			for _, w := range weights {
-				sum += w
-			}
-			for _, w := range parts {
-				keyShares += w
+			for i := range weights {
+				sum += weights[i]
+				keyShares += parts[i]
 			}
 			// The weights add up to at most the limit when Instances
 			// counts the fleet (a pod told fewer than there are holds
