@@ -26,6 +26,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -34,23 +35,22 @@ import (
 // the faults applied to every connection it dials. Link is safe for
 // concurrent use.
 type Link struct {
-	mu      sync.Mutex // protects every field
-	latency time.Duration
-	hung    bool
-	refuse  bool
-	conns   map[*Conn]struct{}
-	dials   int
+	// Read at every read and reply, so atomic: a lock taken and released
+	// is a release that the race detector counts, dear at that rate.
+	latency atomic.Int64 // time.Duration
+	hung    atomic.Bool
+
+	mu     sync.Mutex // protects the fields below, and orders changes of hung
+	refuse bool
+	conns  map[*Conn]struct{}
+	dials  int
 }
 
 // NewLink returns a healthy Link.
 func NewLink() *Link { return &Link{conns: map[*Conn]struct{}{}} }
 
 // SetLatency delays every reply written from now on by d.
-func (l *Link) SetLatency(d time.Duration) {
-	l.mu.Lock()
-	l.latency = d
-	l.mu.Unlock()
-}
+func (l *Link) SetLatency(d time.Duration) { l.latency.Store(int64(d)) }
 
 // Hang stops the server reading from and replying on this link's
 // connections until Resume; writes are still accepted.
@@ -61,7 +61,7 @@ func (l *Link) Resume() { l.setHung(false) }
 
 func (l *Link) setHung(h bool) {
 	l.mu.Lock()
-	l.hung = h
+	l.hung.Store(h)
 	conns := l.snapshot()
 	l.mu.Unlock()
 	for _, c := range conns {
@@ -106,17 +106,9 @@ func (l *Link) snapshot() []*Conn {
 	return out
 }
 
-func (l *Link) isHung() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.hung
-}
+func (l *Link) isHung() bool { return l.hung.Load() }
 
-func (l *Link) delay() time.Duration {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.latency
-}
+func (l *Link) delay() time.Duration { return time.Duration(l.latency.Load()) }
 
 // Dial returns the client end of a new connection and hands the server end
 // to serve, which must read it until it returns an error. It takes the
@@ -130,7 +122,7 @@ func (l *Link) Dial(serve func(net.Conn)) (net.Conn, error) {
 		return nil, &net.OpError{Op: "dial", Net: "sim", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
 	}
 	l.dials++
-	delay := l.latency
+	delay := l.delay()
 	c := &Conn{link: l, up: newStream(), down: newStream()}
 	l.conns[c] = struct{}{}
 	l.mu.Unlock()
@@ -178,10 +170,27 @@ func (s *stream) write(b []byte, at time.Time) (int, error) {
 	return s.put(append([]byte(nil), b...), at)
 }
 
+var errWriteTimeout = &net.OpError{Op: "write", Net: "sim", Err: os.ErrDeadlineExceeded}
+
+// send is a client's write of b at now: it fails once the deadline passed.
+func (s *stream) send(b []byte, now time.Time) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.deadline.IsZero() && !now.Before(s.deadline) {
+		return 0, errWriteTimeout
+	}
+	return s.putLocked(append([]byte(nil), b...), now)
+}
+
 // put is write of b, which s keeps: the caller must not touch it again.
 func (s *stream) put(b []byte, at time.Time) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	return s.putLocked(b, at)
+}
+
+// putLocked is put. It requires that s.mu is held.
+func (s *stream) putLocked(b []byte, at time.Time) (int, error) {
 	if s.err != nil {
 		if s.hard {
 			if errors.Is(s.err, syscall.ECONNRESET) {
@@ -281,28 +290,29 @@ func (s *stream) read(b []byte, paused func() bool, useDeadline bool) (int, erro
 	}
 }
 
-// take removes and returns what is readable now, nil if nothing is, unless
-// paused() is true, and the error reads return once it is drained (nil
-// while open). After a hard close it returns nothing and the error.
-func (s *stream) take(paused func() bool) ([]byte, error) {
+// take appends to into the chunks readable now, in order, and returns
+// them, unless paused() is true; err is what reads return once the stream
+// is drained (nil while open). After a hard close it takes nothing and
+// returns the error.
+func (s *stream) take(into [][]byte, paused func() bool) (_ [][]byte, drained error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.err != nil && s.hard {
-		return nil, s.err
+		return into, s.err
 	}
 	if paused() {
-		return nil, nil
+		return into, nil
 	}
-	if len(s.chunks) > 0 && !time.Now().Before(s.chunks[0].at) {
-		b := s.chunks[0].b
+	now := time.Now()
+	for len(s.chunks) > 0 && !now.Before(s.chunks[0].at) {
+		into = append(into, s.chunks[0].b)
 		s.chunks[0] = chunk{}
 		s.chunks = s.chunks[1:]
-		return b, nil
 	}
 	if len(s.chunks) == 0 {
-		return nil, s.err
+		return into, s.err
 	}
-	return nil, nil
+	return into, nil
 }
 
 // Conn is the client end of a connection.
@@ -348,13 +358,7 @@ func (c *Conn) Read(b []byte) (int, error) { return c.down.read(b, c.link.isHung
 // Write sends b to the server. It never blocks; a Handler answers it
 // before Write returns, unless the link hangs.
 func (c *Conn) Write(b []byte) (int, error) {
-	c.up.mu.Lock()
-	dl := c.up.deadline
-	c.up.mu.Unlock()
-	if !dl.IsZero() && !time.Now().Before(dl) {
-		return 0, &net.OpError{Op: "write", Net: "sim", Err: os.ErrDeadlineExceeded}
-	}
-	n, err := c.up.write(b, time.Now())
+	n, err := c.up.send(b, time.Now())
 	if err == nil {
 		c.pump()
 	}
@@ -379,14 +383,10 @@ func (c *Conn) pump() {
 	if c.handler == nil || c.ended {
 		return
 	}
-	for {
-		in, err := c.up.take(c.link.isHung)
-		if in == nil {
-			if err != nil {
-				c.endLocked()
-			}
-			return
-		}
+	// What a client writes meanwhile, its own pump hands over after this.
+	var buf [4][]byte
+	ins, err := c.up.take(buf[:0], c.link.isHung)
+	for _, in := range ins {
 		reply, ok := c.handler.Handle(in)
 		if len(reply) > 0 {
 			if _, werr := c.down.put(reply, time.Now().Add(c.link.delay())); werr != nil {
@@ -397,6 +397,9 @@ func (c *Conn) pump() {
 			c.endLocked()
 			return
 		}
+	}
+	if err != nil {
+		c.endLocked()
 	}
 }
 
