@@ -40,3 +40,42 @@ func TestSimChargesInTheirOwnUnits(t *testing.T) {
 		t.Errorf("checkCharges of 3 tokens charged for 3 spent, across a doubling of the rate: %v; want none", got)
 	}
 }
+
+// TestSimWindowsFindsOverAdmission: the window check finds a second in
+// which the fleet admitted more than Rate×1 s + Burst, though the run as a
+// whole stayed under its bound, and a local admission's weight adds its
+// share of the limit to the bound.
+func TestSimWindowsFindsOverAdmission(t *testing.T) {
+	l := PerSecond(10) // 10 a second, burst 10: a second's bound is 20
+	run := func(admitted int, mode Mode, weight float64) []string {
+		r := &simRun{s: schedule{Slots: 2, Keys: 1, Duration: 10 * time.Second, Limit: l}}
+		r.limits = append(r.limits, struct {
+			at time.Duration
+			l  Limit
+		}{0, l})
+		r.alive = []interval{{0, 10 * time.Second}, {0, 10 * time.Second}}
+		r.disturb = make([][]interval, 2)
+		for i := range admitted {
+			at := 5*time.Second + time.Duration(i)*10*time.Millisecond
+			r.recs = append(r.recs, record{inst: i % 2, key: "k0", n: 1, allowed: true, mode: mode,
+				start: at, end: at, weight: weight})
+		}
+		var got []string
+		r.checkWindows(func(name, format string, args ...any) { got = append(got, name) })
+		return got
+	}
+	if got := run(21, ModeRemote, 0); len(got) != 1 || got[0] != "window-limit" {
+		t.Errorf("21 admitted in half a second of a 10/s burst 10 limit, every run's 11 s under its bound: %v; want one window-limit", got)
+	}
+	if got := run(20, ModeRemote, 0); len(got) != 0 {
+		t.Errorf("20 admitted in half a second of a 10/s burst 10 limit: %v; want none", got)
+	}
+	// Two instances deciding locally on half the limit each may add up to
+	// the limit again: 40 in a second.
+	if got := run(40, ModeLocal, 0.5); len(got) != 0 {
+		t.Errorf("40 admitted locally by two instances of weight 0.5: %v; want none", got)
+	}
+	if got := run(41, ModeLocal, 0.5); len(got) != 1 {
+		t.Errorf("41 admitted locally by two instances of weight 0.5: %v; want one window-limit", got)
+	}
+}

@@ -251,7 +251,9 @@ func (r *simRun) runCluster() {
 	ctx, cancelAll := context.WithCancel(context.Background())
 	start := func(i int) {
 		client := redis.NewClusterClient(&redis.ClusterOptions{
-			Addrs: cl.Addrs(),
+			Addrs:          cl.Addrs(),
+			ReadBufferSize: simBuffer, WriteBufferSize: simBuffer, PipelineReadBufferSize: simBuffer, PipelineWriteBufferSize: simBuffer,
+			MaintNotificationsConfig: simMaint(),
 			Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
 				c, err := cl.Dialer(sc.links[i], i)(ctx, network, addr)
 				if err != nil || !s.TLS {

@@ -1,11 +1,15 @@
 package hybridlimit
 
 import (
+	"bufio"
+	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"net"
@@ -14,6 +18,7 @@ import (
 	"runtime"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -22,6 +27,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
 
 	"github.com/hybridlimit/hybridlimit/internal/simnet"
 	"github.com/hybridlimit/hybridlimit/internal/simredis"
@@ -39,7 +45,7 @@ var (
 	simSeeds = flag.Int("sim.seeds", 100, "simulator: seeds to run (from -sim.first); 2000 is the long run")
 	simFirst = flag.Uint64("sim.first", 1, "simulator: first seed")
 	simSeed  = flag.Int64("sim.seed", -1, "simulator: replay this one seed, shrink it, print its schedule and decisions")
-	simChild = flag.Bool("sim.child", false, "simulator: run the seeds here, one at a time, and print each one's result (for TestSim's own processes)")
+	simChild = flag.Bool("sim.child", false, "simulator: run the seeds read from stdin, one at a time, and print each one's result (for TestSim's own processes)")
 	simDump  = flag.Duration("sim.dump", 0, "simulator: with -sim.seed, print every goroutine's stack at this virtual time of the first run")
 	simTrace = flag.Bool("sim.trace", false, "simulator: with -sim.seed, print every breaker change and every change of an instance's mode")
 )
@@ -473,6 +479,28 @@ func (o *simObserver) ObserveBreaker(e BreakerEvent) {
 	}
 }
 
+// The clients' options besides their address and dialer are go-redis's
+// defaults but for two, chosen for the simulator's speed where they change
+// nothing else a seed explores.
+
+// simBuffer is the size of each of the buffers of a connection, instead of
+// go-redis's 32 KiB (128 KiB for pipelines): the simulator's commands and
+// replies are a few hundred bytes (the scripts' sources, ten thousand, are
+// written in parts, at the same instant), and a seed dials up to hundreds
+// of connections, whose buffers, cleared and tracked by the race detector,
+// were most of what it allocated.
+const simBuffer = 4 << 10
+
+// simMaint turns off go-redis's maintenance notifications, which need
+// RESP3: simredis speaks RESP2 (it refuses HELLO), on which go-redis's
+// default mode turns them off at the first connection anyway, with no
+// command sent; setting them up first cost more than the rest of building
+// a client under the race detector. Each client has a config of its own:
+// go-redis may write to it.
+func simMaint() *maintnotifications.Config {
+	return &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
+}
+
 // instance is one Limiter of the fleet and its client.
 type instance struct {
 	lim    *Limiter
@@ -611,7 +639,9 @@ func (r *simRun) run() {
 	start := func(i int) {
 		link := r.links[i]
 		client := redis.NewClient(&redis.Options{
-			Addr: "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
+			Addr:           "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
+			ReadBufferSize: simBuffer, WriteBufferSize: simBuffer, PipelineReadBufferSize: simBuffer, PipelineWriteBufferSize: simBuffer,
+			MaintNotificationsConfig: simMaint(),
 			Dialer: func(context.Context, string, string) (net.Conn, error) {
 				c, err := link.Dial(func(c net.Conn) { r.srv.Serve(c, i) })
 				if err != nil || !s.TLS {
@@ -797,22 +827,43 @@ func (r *simRun) share(i int) float64 {
 
 func (r *simRun) key(rng *rand.Rand, i int) string {
 	if r.s.Shape == "sticky" {
-		return fmt.Sprintf("k%d", i%r.s.Keys)
+		return simKey(i % r.s.Keys)
 	}
 	if rng.IntN(2) == 0 {
-		return "k0"
+		return simKey(0)
 	}
-	return fmt.Sprintf("k%d", rng.IntN(r.s.Keys))
+	return simKey(rng.IntN(r.s.Keys))
+}
+
+// simKeys are the traffic's keys' names, made once.
+var simKeys = [...]string{"k0", "k1", "k2", "k3", "k4"}
+
+// simKey returns the name of traffic key k.
+func simKey(k int) string {
+	if k < len(simKeys) {
+		return simKeys[k]
+	}
+	return fmt.Sprintf("k%d", k)
 }
 
 // traffic sends slot i's AllowN calls, each from a goroutine of its own,
-// at exponential gaps, until ctx ends.
+// at exponential gaps, until ctx ends. The goroutines are reused: a call
+// goes to one whose call ended, if any waits, or to a new one, so that a
+// seed does not pay, for every call, a goroutine's start and the growth
+// of its stack to go-redis's depth, which the race detector makes dear.
 func (r *simRun) traffic(ctx context.Context, i int, in *instance) {
 	s := r.s
 	rate := s.Offered * r.share(i)
 	rng := rand.New(rand.NewPCG(s.Seed, uint64(i)+1))
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
+	type job struct {
+		key    string
+		n      int64
+		dl     time.Duration
+		refund bool
+	}
+	idle := make(chan job) // to a goroutine whose call ended
 	var calls sync.WaitGroup
 	defer calls.Wait()
 	for {
@@ -836,11 +887,22 @@ func (r *simRun) traffic(ctx context.Context, i int, in *instance) {
 			dl = time.Duration(float64(s.Timeout) * (1.5 + 1.5*rng.Float64()))
 		}
 		refund := s.Refunds > 0 && rng.Float64() < s.Refunds
-		calls.Add(1)
-		go func() {
-			defer calls.Done()
-			r.call(in, i, key, n, dl, refund)
-		}()
+		j := job{key, n, dl, refund}
+		select {
+		case idle <- j:
+			continue
+		default:
+		}
+		calls.Go(func() {
+			for {
+				r.call(in, i, j.key, j.n, j.dl, j.refund)
+				select {
+				case j = <-idle:
+				case <-ctx.Done():
+					return
+				}
+			}
+		})
 	}
 }
 
@@ -1207,28 +1269,33 @@ func (r *simRun) checkWindows(add func(string, string, ...any)) {
 				fmt.Printf("%12v inst %d %s: admitted %d (local %v, weight %.3f)\n", x.at, x.inst, key, x.n, x.local, x.weight)
 			}
 		}
+		// By slot, the largest weight and key share of a window's local
+		// admissions.
+		weights, parts := make([]float64, s.Slots), make([]float64, s.Slots)
 		check := func(a, b time.Duration) bool {
 			w := (b - a).Seconds()
 			base := rmax*w + float64(bmax)
 			var got int64
-			weights, parts := map[int]float64{}, map[int]float64{}
-			for _, x := range adm {
-				if x.at >= a && x.at < b {
-					got += x.n
-					switch {
-					case x.local && x.byPart:
-						parts[x.inst] = math.Max(parts[x.inst], x.weight)
-					case x.local:
-						weights[x.inst] = math.Max(weights[x.inst], x.weight)
-					}
+			clear(weights)
+			clear(parts)
+			// adm is in time order: the window's admissions are a run of it.
+			lo := sort.Search(len(adm), func(i int) bool { return adm[i].at >= a })
+			for _, x := range adm[lo:] {
+				if x.at >= b {
+					break
+				}
+				got += x.n
+				switch {
+				case x.local && x.byPart:
+					parts[x.inst] = math.Max(parts[x.inst], x.weight)
+				case x.local:
+					weights[x.inst] = math.Max(weights[x.inst], x.weight)
 				}
 			}
 			sum, keyShares := 0.0, 0.0
-			for _, w := range weights {
-				sum += w
-			}
-			for _, w := range parts {
-				keyShares += w
+			for i := range weights {
+				sum += weights[i]
+				keyShares += parts[i]
 			}
 			// The weights add up to at most the limit when Instances
 			// counts the fleet (a pod told fewer than there are holds
@@ -1457,10 +1524,10 @@ func (r *simRun) checkCharges(add func(string, string, ...any)) {
 // with how many seeds failed each invariant.
 //
 // The seeds run one bubble at a time in each of GOMAXPROCS processes (this
-// test binary, run again on a share of the seeds): go-redis keeps timers
-// in a package-level sync.Pool, and a timer made in one synctest bubble is
-// fatal to use in another, so bubbles in one process cannot overlap, and
-// the pool is emptied between them.
+// test binary, run again, handed one seed after another): go-redis keeps
+// timers in a package-level sync.Pool, and a timer made in one synctest
+// bubble is fatal to use in another, so bubbles in one process cannot
+// overlap, and the pool is emptied between them.
 func TestSim(t *testing.T) {
 	if *simSeed >= 0 {
 		replay(t, uint64(*simSeed))
@@ -1468,18 +1535,31 @@ func TestSim(t *testing.T) {
 	}
 	start := time.Now()
 	var results []seedResult
-	if procs := runtime.GOMAXPROCS(0); *simChild || procs == 1 || *simSeeds < 2*procs {
+	switch procs := runtime.GOMAXPROCS(0); {
+	case *simChild:
+		// The two GCs before each seed leave a heap of a few MB, whose
+		// goal the runtime then returns the seed's pages to the OS by, for
+		// the next seed to fault in again: most of the process's system
+		// time, and a share of its own. A ballast, never touched and so
+		// never resident, keeps the goal above what a seed allocates.
+		ballast := make([]byte, 256<<20)
+		defer runtime.KeepAlive(ballast)
+		// One seed a line, each result printed before the next is read.
+		in := bufio.NewScanner(os.Stdin)
+		for in.Scan() {
+			seed, err := strconv.ParseUint(strings.TrimSpace(in.Text()), 10, 64)
+			if err != nil {
+				t.Fatalf("simulator process: seed %q: %v", in.Text(), err)
+			}
+			b, _ := json.Marshal(runSeed(t, seed))
+			fmt.Printf("%s%s\n", simResultPrefix, b)
+		}
+		return
+	case procs == 1 || *simSeeds < 2*procs:
 		for seed := *simFirst; seed < *simFirst+uint64(*simSeeds); seed++ {
 			results = append(results, runSeed(t, seed))
 		}
-		if *simChild {
-			for _, r := range results {
-				b, _ := json.Marshal(r)
-				fmt.Printf("%s%s\n", simResultPrefix, b)
-			}
-			return
-		}
-	} else {
+	default:
 		results = runChildren(t, procs)
 	}
 	elapsed := time.Since(start)
@@ -1497,7 +1577,12 @@ func TestSim(t *testing.T) {
 		}
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "%d seeds in %v (%.0f seeds/s)\n", len(results), elapsed.Round(time.Millisecond), float64(len(results))/elapsed.Seconds())
+	fmt.Fprintf(&b, "%d seeds in %v (%.0f seeds/s)", len(results), elapsed.Round(time.Millisecond), float64(len(results))/elapsed.Seconds())
+	slow := slices.SortedFunc(slices.Values(results), func(a, b seedResult) int { return cmp.Compare(b.Took, a.Took) })
+	for i, r := range slow[:min(3, len(slow))] {
+		fmt.Fprintf(&b, "%s seed %d %v", []string{"; slowest:", ","}[min(i, 1)], r.Seed, r.Took.Round(time.Millisecond))
+	}
+	b.WriteString("\n")
 	any := false
 	for _, name := range invariants {
 		seeds := failed[name]
@@ -1533,6 +1618,7 @@ type seedResult struct {
 	Seed     uint64
 	Failed   []string
 	Features []string
+	Took     time.Duration // wall time, its share of the pool's emptying too
 }
 
 // simResultPrefix starts the lines in which a child process reports a
@@ -1542,6 +1628,7 @@ const simResultPrefix = "SIMRESULT "
 // runSeed simulates seed in a bubble of its own, after emptying the
 // package-level pools that may hold another bubble's timers.
 func runSeed(t *testing.T, seed uint64) seedResult {
+	start := time.Now()
 	// A GC moves a sync.Pool's contents to its victim cache, a second
 	// drops them.
 	runtime.GC()
@@ -1553,11 +1640,13 @@ func runSeed(t *testing.T, seed uint64) seedResult {
 		r.Failed = append(r.Failed, name)
 	}
 	slices.Sort(r.Failed)
+	r.Took = time.Since(start)
 	return r
 }
 
-// runChildren runs the seeds in procs processes, each on every procs-th
-// seed, and gathers their results.
+// runChildren runs the seeds in procs processes and gathers their
+// results. Each process is handed its next seed when it reports one, so
+// that they finish together however the seeds' costs fall.
 func runChildren(t *testing.T, procs int) []seedResult {
 	exe, err := os.Executable()
 	if err != nil {
@@ -1565,37 +1654,71 @@ func runChildren(t *testing.T, procs int) []seedResult {
 	}
 	var (
 		wg      sync.WaitGroup
-		mu      sync.Mutex
+		mu      sync.Mutex // protects results
 		results []seedResult
+		next    atomic.Uint64 // seeds handed out
 	)
-	first, n := *simFirst, uint64(*simSeeds)
-	for p := range uint64(procs) {
-		lo, hi := first+n*p/uint64(procs), first+n*(p+1)/uint64(procs)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+	end := uint64(*simSeeds)
+	take := func() (uint64, bool) {
+		n := next.Add(1) - 1
+		return *simFirst + n, n < end
+	}
+	for range procs {
+		wg.Go(func() {
 			cmd := exec.Command(exe, "-test.run=^TestSim$", "-test.count=1", "-test.timeout=0",
-				"-sim.child", fmt.Sprintf("-sim.first=%d", lo), fmt.Sprintf("-sim.seeds=%d", hi-lo),
-				fmt.Sprintf("-sim.cluster=%v", *simClusterShare))
+				"-sim.child", fmt.Sprintf("-sim.cluster=%v", *simClusterShare))
 			cmd.Env = append(os.Environ(), "GOMAXPROCS=1")
-			out, err := cmd.CombinedOutput()
-			var got []seedResult
-			for line := range strings.Lines(string(out)) {
-				if rest, ok := strings.CutPrefix(strings.TrimSpace(line), simResultPrefix); ok {
-					var r seedResult
-					if jerr := json.Unmarshal([]byte(rest), &r); jerr == nil {
-						got = append(got, r)
-					}
+			var stderr bytes.Buffer
+			cmd.Stderr = &stderr
+			stdin, err := cmd.StdinPipe()
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			stdout, err := cmd.StdoutPipe()
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if err := cmd.Start(); err != nil {
+				t.Error(err)
+				return
+			}
+			var tail []string // its output besides the results, for an error
+			handed := map[uint64]bool{}
+			hand := func() {
+				if seed, ok := take(); ok {
+					handed[seed] = true
+					fmt.Fprintf(stdin, "%d\n", seed)
+				} else {
+					stdin.Close()
 				}
 			}
-			if err != nil || len(got) != int(hi-lo) {
-				tail := out[max(0, len(out)-4000):]
-				t.Errorf("simulator process for seeds %d-%d: %v, %d of %d results; its output ends:\n%s", lo, hi-1, err, len(got), hi-lo, tail)
+			hand()
+			out := bufio.NewScanner(stdout)
+			out.Buffer(nil, 1<<20)
+			for out.Scan() {
+				line := out.Text()
+				rest, ok := strings.CutPrefix(strings.TrimSpace(line), simResultPrefix)
+				var r seedResult
+				if !ok || json.Unmarshal([]byte(rest), &r) != nil || !handed[r.Seed] {
+					tail = append(tail[max(0, len(tail)-40):], line)
+					continue
+				}
+				delete(handed, r.Seed)
+				mu.Lock()
+				results = append(results, r)
+				mu.Unlock()
+				hand()
 			}
-			mu.Lock()
-			results = append(results, got...)
-			mu.Unlock()
-		}()
+			stdin.Close()
+			err = cmd.Wait()
+			if err != nil || len(handed) > 0 {
+				lost := slices.Sorted(maps.Keys(handed))
+				t.Errorf("simulator process: %v, no result for seeds %v; its output ends:\n%s\n%s",
+					err, lost, strings.Join(tail, "\n"), stderr.Bytes()[max(0, stderr.Len()-4000):])
+			}
+		})
 	}
 	wg.Wait()
 	return results

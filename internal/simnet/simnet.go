@@ -9,6 +9,14 @@
 // Writes never block: each direction is an unbounded buffer, like a socket
 // whose peer reads eventually, so a pipeline written whole before its
 // replies are read cannot deadlock as it would on a net.Pipe.
+//
+// A server may read its end as a net.Conn from a goroutine of its own, or
+// hand it a Handler (ServerEnd.Handle), which answers in the goroutine
+// that made the bytes readable: the client's Write, or the Resume that
+// ended a hang. The second costs no goroutine per connection and no
+// hand-off per command, which under the race detector is most of a
+// round trip's cost; what the server sees and when, in virtual time, is
+// the same.
 package simnet
 
 import (
@@ -18,6 +26,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -26,23 +35,22 @@ import (
 // the faults applied to every connection it dials. Link is safe for
 // concurrent use.
 type Link struct {
-	mu      sync.Mutex // protects every field
-	latency time.Duration
-	hung    bool
-	refuse  bool
-	conns   map[*Conn]struct{}
-	dials   int
+	// Read at every read and reply, so atomic: a lock taken and released
+	// is a release that the race detector counts, dear at that rate.
+	latency atomic.Int64 // time.Duration
+	hung    atomic.Bool
+
+	mu     sync.Mutex // protects the fields below, and orders changes of hung
+	refuse bool
+	conns  map[*Conn]struct{}
+	dials  int
 }
 
 // NewLink returns a healthy Link.
 func NewLink() *Link { return &Link{conns: map[*Conn]struct{}{}} }
 
 // SetLatency delays every reply written from now on by d.
-func (l *Link) SetLatency(d time.Duration) {
-	l.mu.Lock()
-	l.latency = d
-	l.mu.Unlock()
-}
+func (l *Link) SetLatency(d time.Duration) { l.latency.Store(int64(d)) }
 
 // Hang stops the server reading from and replying on this link's
 // connections until Resume; writes are still accepted.
@@ -53,12 +61,15 @@ func (l *Link) Resume() { l.setHung(false) }
 
 func (l *Link) setHung(h bool) {
 	l.mu.Lock()
-	l.hung = h
+	l.hung.Store(h)
 	conns := l.snapshot()
 	l.mu.Unlock()
 	for _, c := range conns {
 		c.up.kick()
 		c.down.kick()
+		if !h {
+			c.pump() // what was written meanwhile
+		}
 	}
 }
 
@@ -95,17 +106,9 @@ func (l *Link) snapshot() []*Conn {
 	return out
 }
 
-func (l *Link) isHung() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.hung
-}
+func (l *Link) isHung() bool { return l.hung.Load() }
 
-func (l *Link) delay() time.Duration {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.latency
-}
+func (l *Link) delay() time.Duration { return time.Duration(l.latency.Load()) }
 
 // Dial returns the client end of a new connection and hands the server end
 // to serve, which must read it until it returns an error. It takes the
@@ -119,13 +122,13 @@ func (l *Link) Dial(serve func(net.Conn)) (net.Conn, error) {
 		return nil, &net.OpError{Op: "dial", Net: "sim", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
 	}
 	l.dials++
-	delay := l.latency
+	delay := l.delay()
 	c := &Conn{link: l, up: newStream(), down: newStream()}
 	l.conns[c] = struct{}{}
 	l.mu.Unlock()
 	// The handshake is a round trip: its latency, like a reply's.
 	time.Sleep(delay)
-	serve(&serverEnd{c})
+	serve(&ServerEnd{c})
 	return c, nil
 }
 
@@ -142,7 +145,8 @@ type stream struct {
 	err      error // set when closed: what reads return once drained (io.EOF) or at once (reset)
 	hard     bool  // err is returned before buffered data
 	deadline time.Time
-	wake     chan struct{} // closed and replaced on every change
+	wake     chan struct{} // closed and replaced on a change while waiters > 0
+	waiters  int           // readers waiting on wake
 }
 
 func newStream() *stream { return &stream{wake: make(chan struct{})} }
@@ -155,13 +159,38 @@ func (s *stream) kick() {
 }
 
 func (s *stream) kickLocked() {
+	if s.waiters == 0 {
+		return // nobody to wake: a reader looks again before it waits
+	}
 	close(s.wake)
 	s.wake = make(chan struct{})
 }
 
 func (s *stream) write(b []byte, at time.Time) (int, error) {
+	return s.put(append([]byte(nil), b...), at)
+}
+
+var errWriteTimeout = &net.OpError{Op: "write", Net: "sim", Err: os.ErrDeadlineExceeded}
+
+// send is a client's write of b at now: it fails once the deadline passed.
+func (s *stream) send(b []byte, now time.Time) (int, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if !s.deadline.IsZero() && !now.Before(s.deadline) {
+		return 0, errWriteTimeout
+	}
+	return s.putLocked(append([]byte(nil), b...), now)
+}
+
+// put is write of b, which s keeps: the caller must not touch it again.
+func (s *stream) put(b []byte, at time.Time) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.putLocked(b, at)
+}
+
+// putLocked is put. It requires that s.mu is held.
+func (s *stream) putLocked(b []byte, at time.Time) (int, error) {
 	if s.err != nil {
 		if s.hard {
 			if errors.Is(s.err, syscall.ECONNRESET) {
@@ -174,7 +203,7 @@ func (s *stream) write(b []byte, at time.Time) (int, error) {
 	if n := len(s.chunks); n > 0 && s.chunks[n-1].at.After(at) {
 		at = s.chunks[n-1].at // bytes keep their order
 	}
-	s.chunks = append(s.chunks, chunk{append([]byte(nil), b...), at})
+	s.chunks = append(s.chunks, chunk{b, at})
 	s.kickLocked()
 	return len(b), nil
 }
@@ -240,6 +269,7 @@ func (s *stream) read(b []byte, paused func() bool, useDeadline bool) (int, erro
 			wakeAt = s.deadline
 		}
 		wake := s.wake
+		s.waiters++
 		s.mu.Unlock()
 		var tc <-chan time.Time
 		if !wakeAt.IsZero() {
@@ -254,7 +284,35 @@ func (s *stream) read(b []byte, paused func() bool, useDeadline bool) (int, erro
 		case <-wake:
 		case <-tc:
 		}
+		s.mu.Lock()
+		s.waiters--
+		s.mu.Unlock()
 	}
+}
+
+// take appends to into the chunks readable now, in order, and returns
+// them, unless paused() is true; err is what reads return once the stream
+// is drained (nil while open). After a hard close it takes nothing and
+// returns the error.
+func (s *stream) take(into [][]byte, paused func() bool) (_ [][]byte, drained error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.err != nil && s.hard {
+		return into, s.err
+	}
+	if paused() {
+		return into, nil
+	}
+	now := time.Now()
+	for len(s.chunks) > 0 && !now.Before(s.chunks[0].at) {
+		into = append(into, s.chunks[0].b)
+		s.chunks[0] = chunk{}
+		s.chunks = s.chunks[1:]
+	}
+	if len(s.chunks) == 0 {
+		return into, s.err
+	}
+	return into, nil
 }
 
 // Conn is the client end of a connection.
@@ -263,6 +321,11 @@ type Conn struct {
 	up   *stream // client to server
 	down *stream // server to client
 	once sync.Once
+
+	serving sync.Mutex // held while a Handler is given bytes: one at a time, in order
+	handler Handler    // nil: the server reads its end itself
+	done    func()     // called once when a handled connection ends
+	ended   bool       // the handled connection ended; protected by serving
 }
 
 var (
@@ -277,6 +340,7 @@ func (c *Conn) reset() {
 	c.up.close(errReset, true)
 	c.down.close(errReset, true)
 	c.forget()
+	c.pump()
 }
 
 func (c *Conn) forget() {
@@ -291,22 +355,73 @@ func (c *Conn) forget() {
 // and not while the link hangs.
 func (c *Conn) Read(b []byte) (int, error) { return c.down.read(b, c.link.isHung, true) }
 
-// Write sends b to the server. It never blocks.
+// Write sends b to the server. It never blocks; a Handler answers it
+// before Write returns, unless the link hangs.
 func (c *Conn) Write(b []byte) (int, error) {
-	c.up.mu.Lock()
-	dl := c.up.deadline
-	c.up.mu.Unlock()
-	if !dl.IsZero() && !time.Now().Before(dl) {
-		return 0, &net.OpError{Op: "write", Net: "sim", Err: os.ErrDeadlineExceeded}
+	n, err := c.up.send(b, time.Now())
+	if err == nil {
+		c.pump()
 	}
-	return c.up.write(b, time.Now())
+	return n, err
+}
+
+// Handler is a server's side of one connection, answering in the caller's
+// goroutine. Handle is given the bytes the client wrote, in order and one
+// call at a time, when the server would have read them (not while the
+// link hangs); it returns the bytes of its replies, which it must not
+// touch again, and false to close the connection after them.
+type Handler interface {
+	Handle(in []byte) (reply []byte, ok bool)
+}
+
+// pump hands what the server can read now to c's Handler, and ends the
+// connection as a server reading it would: at a reset, at the end of what
+// the client wrote before it closed, or when a reply cannot be sent.
+func (c *Conn) pump() {
+	c.serving.Lock()
+	defer c.serving.Unlock()
+	if c.handler == nil || c.ended {
+		return
+	}
+	// What a client writes meanwhile, its own pump hands over after this.
+	var buf [4][]byte
+	ins, err := c.up.take(buf[:0], c.link.isHung)
+	for _, in := range ins {
+		reply, ok := c.handler.Handle(in)
+		if len(reply) > 0 {
+			if _, werr := c.down.put(reply, time.Now().Add(c.link.delay())); werr != nil {
+				ok = false
+			}
+		}
+		if !ok {
+			c.endLocked()
+			return
+		}
+	}
+	if err != nil {
+		c.endLocked()
+	}
+}
+
+// endLocked closes the server's end of a handled connection. It requires
+// that c.serving is held.
+func (c *Conn) endLocked() {
+	c.ended = true
+	(&ServerEnd{c}).closeStreams()
+	if c.done != nil {
+		c.done()
+	}
 }
 
 // Close closes the connection; the server reads what was written, then EOF.
+// (Not after a hang the close came during: the link no longer knows the
+// connection when it resumes, and what was written waits until the
+// server closes its end.)
 func (c *Conn) Close() error {
 	c.up.close(io.EOF, false)
 	c.down.close(net.ErrClosed, true)
 	c.forget()
+	c.pump()
 	return nil
 }
 
@@ -392,29 +507,45 @@ func (c *Conn) SetReadDeadline(t time.Time) error { c.down.setDeadline(t); retur
 // SetWriteDeadline sets the write deadline.
 func (c *Conn) SetWriteDeadline(t time.Time) error { c.up.setDeadline(t); return nil }
 
-// serverEnd is the server's end of a Conn.
-type serverEnd struct{ c *Conn }
+// ServerEnd is the server's end of a Conn, as Dial hands it to serve.
+type ServerEnd struct{ c *Conn }
 
-func (s *serverEnd) Read(b []byte) (int, error) {
+// Handle serves the connection with h from now on instead of reads of s:
+// see Handler. done, if not nil, is called once when the connection ends
+// (a reset, the client's close, h's refusal or s.Close). Handle must be
+// called at most once, before anything reads s.
+func (s *ServerEnd) Handle(h Handler, done func()) {
+	s.c.serving.Lock()
+	s.c.handler, s.c.done = h, done
+	s.c.serving.Unlock()
+	s.c.pump()
+}
+
+func (s *ServerEnd) Read(b []byte) (int, error) {
 	return s.c.up.read(b, s.c.link.isHung, false)
 }
 
-func (s *serverEnd) Write(b []byte) (int, error) {
+func (s *ServerEnd) Write(b []byte) (int, error) {
 	return s.c.down.write(b, time.Now().Add(s.c.link.delay()))
 }
 
-func (s *serverEnd) Close() error {
-	s.c.down.close(io.EOF, false)
-	s.c.up.close(net.ErrClosed, true)
-	s.c.forget()
+func (s *ServerEnd) Close() error {
+	s.closeStreams()
+	s.c.pump() // a Handler's connection ends
 	return nil
 }
 
-func (s *serverEnd) LocalAddr() net.Addr              { return addr("server") }
-func (s *serverEnd) RemoteAddr() net.Addr             { return addr("client") }
-func (s *serverEnd) SetDeadline(time.Time) error      { return nil }
-func (s *serverEnd) SetReadDeadline(time.Time) error  { return nil }
-func (s *serverEnd) SetWriteDeadline(time.Time) error { return nil }
+func (s *ServerEnd) closeStreams() {
+	s.c.down.close(io.EOF, false)
+	s.c.up.close(net.ErrClosed, true)
+	s.c.forget()
+}
+
+func (s *ServerEnd) LocalAddr() net.Addr              { return addr("server") }
+func (s *ServerEnd) RemoteAddr() net.Addr             { return addr("client") }
+func (s *ServerEnd) SetDeadline(time.Time) error      { return nil }
+func (s *ServerEnd) SetReadDeadline(time.Time) error  { return nil }
+func (s *ServerEnd) SetWriteDeadline(time.Time) error { return nil }
 
 type addr string
 

@@ -302,14 +302,14 @@ func (v *value) clone() *value {
 	return &w
 }
 
-// redirect returns the MOVED error for a keyed command on a node that does
-// not own its key's slot, "" otherwise. redirect requires that s.mu is
-// held.
-func (s *Server) redirect(args []string) string {
+// redirect returns the MOVED error for a keyed command, named name in
+// upper case, on a node that does not own its key's slot, "" otherwise.
+// redirect requires that s.mu is held.
+func (s *Server) redirect(name string, args []string) string {
 	if s.moved == nil || len(args) < 2 {
 		return ""
 	}
-	switch strings.ToUpper(args[0]) {
+	switch name {
 	case "GET", "DEL", "PTTL":
 		return s.moved(args[1])
 	case "EVAL", "EVALSHA":

@@ -17,12 +17,10 @@
 package simredis
 
 import (
-	"bufio"
+	"bytes"
 	"crypto/sha1"
 	"encoding/hex"
-	"errors"
 	"fmt"
-	"io"
 	"math"
 	"net"
 	"strconv"
@@ -30,6 +28,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/hybridlimit/hybridlimit/internal/simnet"
 	"github.com/hybridlimit/hybridlimit/lua"
 )
 
@@ -42,6 +41,18 @@ var (
 func sha(src string) string {
 	h := sha1.Sum([]byte(src))
 	return hex.EncodeToString(h[:])
+}
+
+// scriptSHA is sha(src), without hashing the two sources the server knows,
+// which every instance loads.
+func scriptSHA(src string) string {
+	switch src {
+	case lua.TokenBucket:
+		return bucketSHA
+	case lua.Fleet:
+		return fleetSHA
+	}
+	return sha(src)
 }
 
 type value struct {
@@ -61,7 +72,7 @@ type Server struct {
 	closed  bool
 	conns   map[net.Conn]struct{}
 
-	wg sync.WaitGroup // one per served connection
+	wg sync.WaitGroup // one per connection served from a goroutine
 
 	// Hook, if not nil, is called with s's lock held after every call of
 	// the bucket script, with the tag of the connection it came on. Set it
@@ -84,8 +95,10 @@ func New() *Server {
 	return &Server{data: map[string]*value{}, scripts: map[string]bool{}, conns: map[net.Conn]struct{}{}}
 }
 
-// Serve serves conn from a goroutine of its own until conn fails or Close;
-// tag names the client for Hook.
+// Serve serves conn until conn fails or Close; tag names the client for
+// Hook. The server end of a simnet connection is answered in the client's
+// goroutine, as a simnet.Handler; any other conn from a goroutine of its
+// own.
 func (s *Server) Serve(conn net.Conn, tag int) {
 	s.mu.Lock()
 	if s.closed {
@@ -94,28 +107,87 @@ func (s *Server) Serve(conn net.Conn, tag int) {
 		return
 	}
 	s.conns[conn] = struct{}{}
-	s.wg.Add(1)
 	s.mu.Unlock()
+	forget := func() {
+		s.mu.Lock()
+		delete(s.conns, conn)
+		s.mu.Unlock()
+	}
+	sess := &session{s: s, tag: tag}
+	if end, ok := conn.(*simnet.ServerEnd); ok {
+		end.Handle(sess, forget)
+		return
+	}
+	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
 		defer func() {
-			s.mu.Lock()
-			delete(s.conns, conn)
-			s.mu.Unlock()
+			forget()
 			conn.Close()
 		}()
-		s.serve(conn, tag)
+		buf := make([]byte, 4096)
+		for {
+			n, err := conn.Read(buf)
+			if err != nil {
+				return // a reset or a close: the connection is gone
+			}
+			reply, ok := sess.Handle(buf[:n])
+			if len(reply) > 0 {
+				if _, err := conn.Write(reply); err != nil {
+					return
+				}
+			}
+			if !ok {
+				return
+			}
+		}
 	}()
+}
+
+// session is one connection's commands, read as they come.
+type session struct {
+	s   *Server
+	tag int
+	buf []byte // what was read of a command not yet whole
+}
+
+// Handle runs the commands whole in what was read so far, in order, and
+// returns their replies; ok is false after a malformed command, which
+// ends the connection.
+func (ss *session) Handle(in []byte) (reply []byte, ok bool) {
+	data := in
+	if len(ss.buf) > 0 {
+		ss.buf = append(ss.buf, in...)
+		data = ss.buf
+	}
+	for len(data) > 0 {
+		args, n, err := parseCommand(data)
+		if err != nil {
+			return reply, false
+		}
+		if n == 0 {
+			break // the rest comes later
+		}
+		data = data[n:]
+		reply = ss.s.do(reply, args, ss.tag)
+	}
+	// Keep what is left of a command: in may be the caller's buffer.
+	ss.buf = append(ss.buf[:0], data...)
+	return reply, true
 }
 
 // Close closes every connection and waits for their goroutines.
 func (s *Server) Close() {
 	s.mu.Lock()
 	s.closed = true
+	conns := make([]net.Conn, 0, len(s.conns))
 	for c := range s.conns {
-		c.Close()
+		conns = append(conns, c)
 	}
 	s.mu.Unlock()
+	for _, c := range conns {
+		c.Close() // a handled one forgets itself, under s.mu
+	}
 	s.wg.Wait()
 }
 
@@ -202,67 +274,50 @@ func (s *Server) get(now time.Time, key string) *value {
 	return v
 }
 
-func (s *Server) serve(conn net.Conn, tag int) {
-	r := bufio.NewReader(conn)
-	w := bufio.NewWriter(conn)
-	for {
-		args, err := readCommand(r)
-		if err != nil {
-			if !errors.Is(err, io.EOF) {
-				_ = err // a reset or a close: the connection is gone
-			}
-			return
-		}
-		s.do(w, args, tag)
-		if r.Buffered() == 0 {
-			if w.Flush() != nil {
-				return
-			}
-		}
-	}
-}
-
-// readCommand reads one RESP array of bulk strings (what go-redis sends).
-func readCommand(r *bufio.Reader) ([]string, error) {
-	line, err := readLine(r)
-	if err != nil {
-		return nil, err
+// parseCommand reads one RESP array of bulk strings (what go-redis sends)
+// from the start of b. It returns the command and the bytes it took, or
+// n == 0 if b holds only part of it.
+func parseCommand(b []byte) (args []string, n int, err error) {
+	line, rest, ok := cutLine(b)
+	if !ok {
+		return nil, 0, nil
 	}
 	if len(line) < 2 || line[0] != '*' {
-		return nil, fmt.Errorf("simredis: want an array, got %q", line)
+		return nil, 0, fmt.Errorf("simredis: want an array, got %q", line)
 	}
-	n, err := strconv.Atoi(line[1:])
-	if err != nil || n < 1 {
-		return nil, fmt.Errorf("simredis: bad array length %q", line)
+	count, err := strconv.Atoi(string(line[1:]))
+	if err != nil || count < 1 {
+		return nil, 0, fmt.Errorf("simredis: bad array length %q", line)
 	}
-	args := make([]string, n)
+	args = make([]string, count)
 	for i := range args {
-		line, err := readLine(r)
-		if err != nil {
-			return nil, err
+		if line, rest, ok = cutLine(rest); !ok {
+			return nil, 0, nil
 		}
 		if len(line) < 2 || line[0] != '$' {
-			return nil, fmt.Errorf("simredis: want a bulk string, got %q", line)
+			return nil, 0, fmt.Errorf("simredis: want a bulk string, got %q", line)
 		}
-		size, err := strconv.Atoi(line[1:])
+		size, err := strconv.Atoi(string(line[1:]))
 		if err != nil || size < 0 {
-			return nil, fmt.Errorf("simredis: bad bulk length %q", line)
+			return nil, 0, fmt.Errorf("simredis: bad bulk length %q", line)
 		}
-		buf := make([]byte, size+2)
-		if _, err := io.ReadFull(r, buf); err != nil {
-			return nil, err
+		if len(rest) < size+2 {
+			return nil, 0, nil
 		}
-		args[i] = string(buf[:size])
+		args[i] = string(rest[:size])
+		rest = rest[size+2:]
 	}
-	return args, nil
+	return args, len(b) - len(rest), nil
 }
 
-func readLine(r *bufio.Reader) (string, error) {
-	line, err := r.ReadString('\n')
-	if err != nil {
-		return "", err
+// cutLine returns b's first line without its CRLF, and what follows it;
+// ok is false if b holds no whole line.
+func cutLine(b []byte) (line, rest []byte, ok bool) {
+	i := bytes.IndexByte(b, '\n')
+	if i < 0 {
+		return nil, b, false
 	}
-	return strings.TrimSuffix(line, "\r\n"), nil
+	return bytes.TrimSuffix(b[:i], []byte("\r")), b[i+1:], true
 }
 
 // Replies.
@@ -271,42 +326,46 @@ type (
 	rerror string
 )
 
-func write(w *bufio.Writer, v any) {
+// appendReply appends v in RESP2 to b.
+func appendReply(b []byte, v any) []byte {
 	switch v := v.(type) {
 	case nil:
-		w.WriteString("$-1\r\n")
+		return append(b, "$-1\r\n"...)
 	case status:
-		w.WriteString("+" + string(v) + "\r\n")
+		return append(append(append(b, '+'), v...), "\r\n"...)
 	case rerror:
-		w.WriteString("-" + string(v) + "\r\n")
+		return append(append(append(b, '-'), v...), "\r\n"...)
 	case int64:
-		w.WriteString(":" + strconv.FormatInt(v, 10) + "\r\n")
+		return append(strconv.AppendInt(append(b, ':'), v, 10), "\r\n"...)
 	case string:
-		w.WriteString("$" + strconv.Itoa(len(v)) + "\r\n" + v + "\r\n")
+		b = append(strconv.AppendInt(append(b, '$'), int64(len(v)), 10), "\r\n"...)
+		return append(append(b, v...), "\r\n"...)
 	case []any:
-		w.WriteString("*" + strconv.Itoa(len(v)) + "\r\n")
+		b = append(strconv.AppendInt(append(b, '*'), int64(len(v)), 10), "\r\n"...)
 		for _, x := range v {
-			write(w, x)
+			b = appendReply(b, x)
 		}
-	default:
-		panic(fmt.Sprintf("simredis: reply %T", v))
+		return b
 	}
+	panic(fmt.Sprintf("simredis: reply %T", v))
 }
 
-func (s *Server) do(w *bufio.Writer, args []string, tag int) {
+// do runs one command and appends its reply to b.
+func (s *Server) do(b []byte, args []string, tag int) []byte {
 	s.mu.Lock()
 	reply := s.command(args, tag)
 	s.mu.Unlock()
-	write(w, reply)
+	return appendReply(b, reply)
 }
 
 // command runs one command. command requires that s.mu is held.
 func (s *Server) command(args []string, tag int) any {
 	now := s.now()
-	if m := s.redirect(args); m != "" {
+	name := strings.ToUpper(args[0])
+	if m := s.redirect(name, args); m != "" {
 		return rerror(m)
 	}
-	switch strings.ToUpper(args[0]) {
+	switch name {
 	case "PING":
 		return status("PONG")
 	case "CLIENT", "SELECT", "READONLY", "READWRITE", "ASKING":
@@ -364,7 +423,7 @@ func (s *Server) command(args []string, tag int) any {
 			if len(args) != 3 {
 				return rerror("ERR wrong number of arguments for 'script|load' command")
 			}
-			h := sha(args[2])
+			h := scriptSHA(args[2])
 			if h != bucketSHA && h != fleetSHA {
 				return rerror("ERR simredis runs only hybridlimit's scripts")
 			}
@@ -380,8 +439,8 @@ func (s *Server) command(args []string, tag int) any {
 			return rerror("ERR wrong number of arguments for 'eval' command")
 		}
 		h := strings.ToLower(args[1])
-		if strings.ToUpper(args[0]) == "EVAL" {
-			h = sha(args[1])
+		if name == "EVAL" {
+			h = scriptSHA(args[1])
 			if h != bucketSHA && h != fleetSHA {
 				return rerror("ERR simredis runs only hybridlimit's scripts")
 			}
