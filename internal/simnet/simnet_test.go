@@ -29,7 +29,11 @@ func TestResetConnsDroppedFromPool(t *testing.T) {
 		})
 		defer c.Close()
 		ctx := context.Background()
-		// Fill the pool with several connections.
+		// Fill the pool with several connections: with a latency, each
+		// ping waits for its reply on its own connection while the others
+		// start (the server answers as it reads, so without one the pings
+		// could run one after another on one connection).
+		link.SetLatency(time.Millisecond)
 		done := make(chan error, 8)
 		for range 8 {
 			go func() { done <- c.Ping(ctx).Err() }()
