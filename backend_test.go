@@ -70,8 +70,8 @@ func bubble(t *testing.T, f func(*testing.T)) {
 }
 
 // realRedis returns a testRedis on a fresh redis-server, for benchmarks
-// (synctest runs only tests) and for tests of what the simulated Redis
-// does not model (the fleet's heartbeat script).
+// (synctest runs only tests) and for the tests of the fleet's shares,
+// which have not moved to the simulated Redis.
 func realRedis(tb testing.TB) *testRedis {
 	return &testRedis{srv: redistest.Start(tb)}
 }
