@@ -1108,17 +1108,16 @@ func (r *simRun) check(v map[string][]string) {
 	// Back on the shared bucket once Redis is.
 	reopen := time.Duration(float64(simOpenFor)*(1+DefaultBreakerJitter)) + simProbeWait + s.Timeout
 	for i := range s.Slots {
-		var healed time.Duration
-		killed := false
+		// Each fault's end bounds it, a kill's a second later (go-redis
+		// dials once a second after failed dials) even when another
+		// fault ends after it, within that second.
+		var healed, bound time.Duration
 		for _, c := range r.disturb[i] {
-			if c.to > healed {
-				healed = c.to
-				_, killed = within(c.from, r.killed)
+			end := c.to
+			if _, killed := within(c.from, r.killed); killed {
+				end += time.Second
 			}
-		}
-		bound := healed + 2*reopen
-		if killed {
-			bound += time.Second // go-redis dials once a second after failed dials
+			healed, bound = max(healed, c.to), max(bound, end+2*reopen)
 		}
 		for _, rec := range recs {
 			if rec.inst == i && !rec.wait && rec.err == nil && rec.start > bound && rec.mode != ModeRemote {
