@@ -182,17 +182,19 @@ func TestReconcile(t *testing.T) {
 // second of the outage admits 85 to 110 in total (equal static shares admit
 // about 73 there).
 func TestFleetShares(t *testing.T) {
-	srv := realRedis(t)
-	secs := runOutage(t, srv, outage{policy: FailLocal, weights: []float64{80, 15, 5}, until: resumeAt})
-	checkSeconds(t, secs, "uneven outage", 2, 4, 85, 110)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		secs := runOutage(t, srv, outage{policy: FailLocal, weights: []float64{80, 15, 5}, until: resumeAt})
+		checkSeconds(t, secs, "uneven outage", 2, 4, 85, 110)
+	})
 }
 
 // TestFleetJoin: a fourth instance joins (Instances still says 3); the
 // shares follow the live fleet without any configuration change.
 func TestFleetJoin(t *testing.T) {
-	srv := realRedis(t)
-	secs := runOutage(t, srv, outage{policy: FailLocal, join: true, until: resumeAt})
-	checkSeconds(t, secs, "4 instances", 2, 4, 85, 110)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		secs := runOutage(t, srv, outage{policy: FailLocal, join: true, until: resumeAt})
+		checkSeconds(t, secs, "4 instances", 2, 4, 85, 110)
+	})
 }
 
 var accuracy = flag.String("accuracy", "", "append the per-second allowed counts of every accuracy variant to this file (for docs/accuracy.md)")
@@ -307,16 +309,17 @@ func runSticky(t testing.TB, srv *testRedis, noKeyShares bool, d time.Duration) 
 // three keeps at least 85% of its limit through an outage (its instance's
 // weight gave it about half), while a key spread evenly stays at 85-110%.
 func TestKeyShares(t *testing.T) {
-	srv := realRedis(t)
-	a, b := runSticky(t, srv, false, resumeAt)
-	check := func(secs []int, what string, lo, hi int) {
-		t.Helper()
-		for s := 2; s <= 4; s++ {
-			if secs[s] < lo || secs[s] > hi {
-				t.Errorf("%s: second %d admitted %d; want %d to %d", what, s, secs[s], lo, hi)
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		a, b := runSticky(t, srv, false, resumeAt)
+		check := func(secs []int, what string, lo, hi int) {
+			t.Helper()
+			for s := 2; s <= 4; s++ {
+				if secs[s] < lo || secs[s] > hi {
+					t.Errorf("%s: second %d admitted %d; want %d to %d", what, s, secs[s], lo, hi)
+				}
 			}
 		}
-	}
-	check(a, "key A, sticky to instance 0", 85, 110)
-	check(b, "key B, spread evenly", 85, 110)
+		check(a, "key A, sticky to instance 0", 85, 110)
+		check(b, "key B, spread evenly", 85, 110)
+	})
 }
