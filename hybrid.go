@@ -427,7 +427,7 @@ func (lim *Limiter) masterFor(key string) (*node, error) {
 		lim.wg.Go(func() {
 			defer close(nd.settled)
 			defer nd.settling.Store(false)
-			lim.reconcile(lim.ctx, nd)
+			lim.settle(lim.ctx, nd)
 		})
 	}
 	return nd, nil
@@ -610,9 +610,9 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	}
 	if nd.settling.Load() {
 		// A new master is being charged with what this instance spent
-		// locally (the charges of every key due, a round trip per batch):
-		// worth waiting for, within the decision's budget, which the call
-		// then shares.
+		// locally on its keys (a round trip per batch of keys): worth
+		// waiting for, within the decision's budget, which the call then
+		// shares.
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, lim.budget(ctx))
 		defer cancel()

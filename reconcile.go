@@ -71,6 +71,18 @@ func (lim *Limiter) reconciler() {
 // refill pays the debt. A charge that fails is owed to the next
 // reconciliation, and its spending is kept off the local buckets meanwhile.
 func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
+	lim.charge(ctx, probing, false)
+}
+
+// settle charges a new master, nd, with the local spending on its keys
+// only, before it decides: decisions on it wait for that within their
+// budget, and the other nodes' keys are the reconciler's.
+func (lim *Limiter) settle(ctx context.Context, nd *node) {
+	lim.charge(ctx, nd, true)
+}
+
+// charge is reconcile, and with only, settle.
+func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 	if lim.cfg.noReconcile {
 		return
 	}
@@ -84,7 +96,7 @@ func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
 	defer func() { <-lim.reconciling }()
 	reachable := func(key string) *node {
 		nd := lim.route(lim.cfg.Prefix + key)
-		if nd == nil || nd != probing && nd.cb.State() != breaker.StateClosed {
+		if nd == nil || nd != probing && (only || nd.cb.State() != breaker.StateClosed) {
 			return nil
 		}
 		return nd
