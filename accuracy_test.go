@@ -151,7 +151,10 @@ func appendAccuracy(t testing.TB, path string, o outage, secs []loadgen.Second) 
 // checkSeconds asserts a per-second bound on allowed counts.
 func checkSeconds(t *testing.T, secs []loadgen.Second, what string, from, to, lo, hi int) {
 	t.Helper()
-	for i := from; i <= to && i < len(secs); i++ {
+	if len(secs) <= to {
+		t.Fatalf("%s: the run has %d seconds; the check needs second %d", what, len(secs), to)
+	}
+	for i := from; i <= to; i++ {
 		if a := secs[i].Allowed; a < lo || a > hi {
 			t.Errorf("%s: second %d admitted %d; want %d to %d", what, i, a, lo, hi)
 		}

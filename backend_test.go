@@ -69,9 +69,8 @@ func bubble(t *testing.T, f func(*testing.T)) {
 	synctest.Test(t, f)
 }
 
-// realRedis returns a testRedis on a fresh redis-server, for benchmarks
-// (synctest runs only tests) and for the tests of the fleet's shares,
-// which have not moved to the simulated Redis.
+// realRedis returns a testRedis on a fresh redis-server, for benchmarks:
+// synctest runs only tests.
 func realRedis(tb testing.TB) *testRedis {
 	return &testRedis{srv: redistest.Start(tb)}
 }

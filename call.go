@@ -3,6 +3,7 @@ package hybridlimit
 import (
 	"context"
 	"errors"
+	"strings"
 	"time"
 
 	"github.com/hybridlimit/hybridlimit/breaker"
@@ -100,13 +101,16 @@ func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Reque
 	}
 	// The key's slot moved: the same call once more, to the master that
 	// owns it now, within what is left of the budget.
+	if budget-time.Since(start) <= 0 {
+		return remote.Result{}, down // nothing left: the failure policy's
+	}
 	to := lim.route(req.Key)
 	if to == nil || to == nd {
 		return remote.Result{}, down
 	}
-	if to.settling.Load() {
-		// What this instance spent locally is being charged to the new
-		// master: worth waiting for, within the budget.
+	if to.settling.Load() && lim.shares.Local(strings.TrimPrefix(req.Key, lim.cfg.Prefix)) {
+		// What this instance spent locally on the key may be being
+		// charged to the new master: worth waiting for, within the budget.
 		wctx, cancel := context.WithTimeout(ctx, budget-time.Since(start))
 		defer cancel()
 		if !to.waitSettled(wctx) {

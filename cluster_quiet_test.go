@@ -3,6 +3,7 @@ package hybridlimit
 import (
 	"context"
 	"math"
+	"strconv"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -298,4 +299,77 @@ func TestNodeAddr(t *testing.T) {
 			t.Errorf("nodeAddr(%q, %q) = %q; want %q", c.addr, c.origin, got, c.want)
 		}
 	}
+}
+
+// TestSettleWaitsOnlyForOwedKeys: after a takeover, the new master is
+// charged with what this instance spent locally on 5,000 of its keys, a
+// round trip per batch. A decision on a key this instance never decided
+// locally owes nothing, and must not wait for those charges: it goes to
+// the new master at once, rather than waiting its budget and going local.
+func TestSettleWaitsOnlyForOwedKeys(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		defer time.Sleep(30 * time.Second)
+		cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
+		defer cl.Close()
+		links := make([]*simnet.Link, len(cl.Nodes))
+		for i := range links {
+			links[i] = simnet.NewLink()
+		}
+		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0)})
+		defer client.Close()
+		ctx := context.Background()
+		_ = client.Ping(ctx).Err()
+		const timeout = 50 * time.Millisecond
+		lim, err := New(Config{Redis: client, Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer lim.Close()
+		const key = "k"
+		shard := cl.ShardOf(DefaultPrefix + key)
+		master := cl.Master(shard)
+		var keys []string
+		for i := 0; len(keys) < 5000; i++ {
+			if k := "u" + strconv.Itoa(i); cl.ShardOf(DefaultPrefix+k) == shard {
+				keys = append(keys, k)
+			}
+		}
+		time.Sleep(time.Second)
+		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("before the fault: %+v, %v", d, err)
+		}
+		cl.Stop(shard)
+		links[master].Hang()
+		defer links[master].Resume()
+		for _, k := range keys {
+			lim.Allow(ctx, k) // local, once the breaker opens
+		}
+		time.Sleep(500 * time.Millisecond)
+		if err := cl.Takeover(shard); err != nil {
+			t.Fatal(err)
+		}
+		links[cl.Master(shard)].SetLatency(time.Millisecond)
+		// The prober finds the new master and starts charging it; key,
+		// which this instance never decided locally, owes nothing.
+		newAddr := cl.Nodes[cl.Master(shard)].Addr
+		var nd *node
+		for range 1000 {
+			if nd = (*lim.nodes.Load())[newAddr]; nd != nil {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		if nd == nil || !nd.settling.Load() {
+			t.Fatalf("the new master's node: %v; want one being charged", nd)
+		}
+		start := time.Now()
+		d, err := lim.Allow(ctx, key)
+		took := time.Since(start)
+		if !nd.settling.Load() {
+			t.Fatal("the charges ended before the decision: the test proves nothing")
+		}
+		if err != nil || d.Mode != ModeRemote || took > 5*time.Millisecond {
+			t.Errorf("a key with nothing owed, while 5,000 others are charged to the new master: %v, %v after %v; want remote at once", d.Mode, err, took)
+		}
+	})
 }

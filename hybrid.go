@@ -608,11 +608,12 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		lim.fallback(key, n, ls, nd, atMost, d)
 		return nil
 	}
-	if nd.settling.Load() {
+	if nd.settling.Load() && lim.shares.Local(key) {
 		// A new master is being charged with what this instance spent
-		// locally on its keys (a round trip per batch of keys): worth
-		// waiting for, within the decision's budget, which the call then
-		// shares.
+		// locally on its keys (a round trip per batch of keys), this one
+		// perhaps among them: worth waiting for, within the decision's
+		// budget, which the call then shares. A key this instance never
+		// decided locally owes nothing and goes at once.
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, lim.budget(ctx))
 		defer cancel()
@@ -804,7 +805,11 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, atMost b
 		// Redis may be back at the next probe, and its bucket then refills
 		// n tokens in n/Rate: a denial is not told to wait longer than
 		// that.
-		if whole := float64(n) / ls.Rate * float64(time.Second); whole < float64(d.RetryAfter) {
+		want := n
+		if atMost {
+			want = 1 // AllowAtMost is denied until one token
+		}
+		if whole := float64(want) / ls.Rate * float64(time.Second); whole < float64(d.RetryAfter) {
 			d.RetryAfter = min(d.RetryAfter, max(lim.untilProbe(nd), time.Duration(whole)))
 		}
 	}

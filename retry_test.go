@@ -41,5 +41,12 @@ func TestLocalRetryAfterOfASlowLimit(t *testing.T) {
 		if d.RetryAfter < tc.least || d.RetryAfter > tc.most {
 			t.Errorf("breaker open for %v: RetryAfter = %v; want %v to %v", tc.openFor, d.RetryAfter, tc.least, tc.most)
 		}
+		// AllowAtMost is denied until one token, whatever it asks.
+		if d, _ = lim.AllowAtMost(ctx, "slow", 3); d.Allowed || d.Mode != ModeLocal {
+			t.Fatalf("AllowAtMost = %+v; want a local denial", d)
+		}
+		if d.RetryAfter < tc.least || d.RetryAfter > tc.most {
+			t.Errorf("breaker open for %v: AllowAtMost's RetryAfter = %v; want %v to %v", tc.openFor, d.RetryAfter, tc.least, tc.most)
+		}
 	}
 }

@@ -328,6 +328,16 @@ func (s *Shares) Seen(key string) (tokens, rate float64, at time.Time, ok bool) 
 	return b.tokens, b.rate, s.time(b.seen), true
 }
 
+// Local reports whether key has a local bucket, or spending reported and
+// not settled: whether Drain would look at it.
+func (s *Shares) Local(key string) bool {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	b := sh.m[key]
+	return b != nil && (b.lim != nil || b.owed > 0)
+}
+
 // Settle records that Redis was charged with spent tokens of key that
 // Drain reported.
 func (s *Shares) Settle(key string, spent float64) {
