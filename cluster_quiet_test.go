@@ -368,8 +368,10 @@ func TestSettleWaitsOnlyForOwedKeys(t *testing.T) {
 		if !nd.settling.Load() {
 			t.Fatal("the charges ended before the decision: the test proves nothing")
 		}
-		if err != nil || d.Mode != ModeRemote || took > 5*time.Millisecond {
-			t.Errorf("a key with nothing owed, while 5,000 others are charged to the new master: %v, %v after %v; want remote at once", d.Mode, err, took)
+		// It may queue behind the charges in the node's pipe (a few ms at
+		// 1 ms a round trip), not wait for all of them.
+		if err != nil || d.Mode != ModeRemote || took > timeout/2 {
+			t.Errorf("a key with nothing owed, while 5,000 others are charged to the new master: %v, %v after %v; want remote, within %v", d.Mode, err, took, timeout/2)
 		}
 	})
 }
