@@ -407,20 +407,26 @@ func (c *Conn) pump() {
 // that c.serving is held.
 func (c *Conn) endLocked() {
 	c.ended = true
+	c.forget()
 	(&ServerEnd{c}).closeStreams()
 	if c.done != nil {
 		c.done()
 	}
 }
 
-// Close closes the connection; the server reads what was written, then EOF.
-// (Not after a hang the close came during: the link no longer knows the
-// connection when it resumes, and what was written waits until the
-// server closes its end.)
+// Close closes the connection; the server reads what was written, then EOF,
+// as a stopped server's kernel keeps it for the process: a close during a
+// hang leaves the connection to the link until the server has read it,
+// after Resume, and run what it held.
 func (c *Conn) Close() error {
 	c.up.close(io.EOF, false)
 	c.down.close(net.ErrClosed, true)
-	c.forget()
+	c.serving.Lock()
+	handled := c.handler != nil && !c.ended
+	c.serving.Unlock()
+	if !handled {
+		c.forget()
+	}
 	c.pump()
 	return nil
 }
