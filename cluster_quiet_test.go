@@ -16,6 +16,32 @@ import (
 	"github.com/hybridlimit/hybridlimit/remote"
 )
 
+// onSimCluster starts, in the calling synctest bubble, a simulated Cluster
+// of three shards whose nodes each sit behind a link of their own, and a
+// Limiter of cfg on a ClusterClient of default options; t.Cleanup closes
+// them, then waits out go-redis's dial back-offs and layout reloads.
+func onSimCluster(t *testing.T, cfg Config) (*simredis.Cluster, []*simnet.Link, *Limiter) {
+	t.Cleanup(func() { time.Sleep(30 * time.Second) }) // last
+	cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
+	t.Cleanup(cl.Close)
+	links := make([]*simnet.Link, len(cl.Nodes))
+	for i := range links {
+		links[i] = simnet.NewLink()
+	}
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0)})
+	t.Cleanup(func() { client.Close() })
+	// go-redis reads COMMAND once, under a mutex, from a random node:
+	// now, before that node can hang (see sim_cluster_test.go).
+	_ = client.Ping(context.Background()).Err()
+	cfg.Redis = client
+	lim, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { lim.Close() })
+	return cl, links, lim
+}
+
 // TestQuietFailover: an instance that decides on a key every two seconds
 // meets a failover of the key's master. Its calls to the hung master are
 // too few to open the breaker, so the prober never reads the layout; the
@@ -25,24 +51,8 @@ import (
 // Simulated Cluster (internal/simredis) at virtual time.
 func TestQuietFailover(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		defer time.Sleep(30 * time.Second) // go-redis's dial back-offs and reloads end
-		cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
-		defer cl.Close()
-		links := make([]*simnet.Link, len(cl.Nodes))
-		for i := range links {
-			links[i] = simnet.NewLink()
-		}
-		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0)})
-		defer client.Close()
+		cl, links, lim := onSimCluster(t, Config{Limit: PerSecond(10), Timeout: 50 * time.Millisecond})
 		ctx := context.Background()
-		// go-redis reads COMMAND once, under a mutex, from a random node:
-		// now, before that node can hang (see sim_cluster_test.go).
-		_ = client.Ping(ctx).Err()
-		lim, err := New(Config{Redis: client, Limit: PerSecond(10), Timeout: 50 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer lim.Close()
 		const key = "k"
 		shard := cl.ShardOf(DefaultPrefix + key)
 		master := cl.Master(shard)
@@ -105,25 +115,11 @@ func TestUnseenFailover(t *testing.T) {
 }
 
 func unseenFailover(t *testing.T, spent bool) {
-	defer time.Sleep(30 * time.Second) // go-redis's dial back-offs and reloads end
-	cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
-	defer cl.Close()
-	links := make([]*simnet.Link, len(cl.Nodes))
-	for i := range links {
-		links[i] = simnet.NewLink()
-	}
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0)})
-	defer client.Close()
-	ctx := context.Background()
-	_ = client.Ping(ctx).Err() // COMMAND, before any node hangs (see sim_cluster_test.go)
 	const timeout = 50 * time.Millisecond
 	// A token a second: the local grants are not refilled in the 0.1 s
 	// they take, nor is what they took from Redis's bucket.
-	lim, err := New(Config{Redis: client, Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lim.Close()
+	cl, links, lim := onSimCluster(t, Config{Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
+	ctx := context.Background()
 	const key = "k"
 	shard := cl.ShardOf(DefaultPrefix + key)
 	master := cl.Master(shard)
@@ -205,23 +201,9 @@ func unseenFailover(t *testing.T, spent bool) {
 // error.
 func TestSettlingWaitBudget(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		defer time.Sleep(30 * time.Second)
-		cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
-		defer cl.Close()
-		links := make([]*simnet.Link, len(cl.Nodes))
-		for i := range links {
-			links[i] = simnet.NewLink()
-		}
-		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0)})
-		defer client.Close()
-		ctx := context.Background()
-		_ = client.Ping(ctx).Err()
 		const timeout = 50 * time.Millisecond
-		lim, err := New(Config{Redis: client, Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer lim.Close()
+		cl, links, lim := onSimCluster(t, Config{Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
 		const key = "k"
 		shard := cl.ShardOf(DefaultPrefix + key)
 		master := cl.Master(shard)
@@ -308,23 +290,9 @@ func TestNodeAddr(t *testing.T) {
 // the new master at once, rather than waiting its budget and going local.
 func TestSettleWaitsOnlyForOwedKeys(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		defer time.Sleep(30 * time.Second)
-		cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
-		defer cl.Close()
-		links := make([]*simnet.Link, len(cl.Nodes))
-		for i := range links {
-			links[i] = simnet.NewLink()
-		}
-		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0)})
-		defer client.Close()
-		ctx := context.Background()
-		_ = client.Ping(ctx).Err()
 		const timeout = 50 * time.Millisecond
-		lim, err := New(Config{Redis: client, Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer lim.Close()
+		cl, links, lim := onSimCluster(t, Config{Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
 		const key = "k"
 		shard := cl.ShardOf(DefaultPrefix + key)
 		master := cl.Master(shard)
