@@ -195,9 +195,9 @@ type node struct {
 	pipe  *remote.Pipe
 	probe atomic.Pointer[probe] // the last key that failed; set before the breaker opens
 	// settling is set while the local spending on a new master's keys is
-	// charged to it: decisions wait for it within their budget (and go
-	// local past it), so that none takes from a bucket the charges have
-	// not reached yet.
+	// charged to it: a decision on a key this instance spent on locally
+	// waits for it within its budget (and goes local past it), so that
+	// none takes from a bucket its charge has not reached yet.
 	settling atomic.Bool
 	settled  chan struct{} // closed when settling ends; nil if it never began
 	// failed is when (lim.cfg.now, in Unix nanoseconds) a call to the node
