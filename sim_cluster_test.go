@@ -271,23 +271,7 @@ func (r *simRun) runCluster() {
 		// (in real time they wait the client's read time-outs). So the
 		// table is read now, before any fault.
 		_ = client.Ping(ctx).Err()
-		ictx, stop := context.WithCancel(ctx)
-		obs := &simObserver{r: r, inst: i, stop: stop}
-		lim, err := New(Config{
-			Redis: client, Limit: r.limitAt(r.since()), Instances: s.CfgInst, Timeout: s.Timeout,
-			OnFailure: s.Policy, Breaker: BreakerConfig{Probes: s.Probes}, Observer: obs,
-		})
-		if err != nil {
-			panic(err)
-		}
-		in := &instance{lim: lim, stop: stop}
-		insts[i] = in
-		in.wg.Go(func() { r.traffic(ictx, i, in) })
-		if i == 0 {
-			for w := range s.Waiters {
-				in.wg.Go(func() { r.waiter(ictx, i, w, in) })
-			}
-		}
+		insts[i] = r.startInstance(ctx, i, client)
 	}
 	for i := range s.Instances {
 		start(i)

@@ -510,6 +510,30 @@ type instance struct {
 	closed atomic.Bool
 }
 
+// startInstance starts slot i's Limiter on client, of the schedule's
+// configuration, and its traffic (and, on slot 0, the WaitN workers),
+// until ctx ends or the instance is stopped.
+func (r *simRun) startInstance(ctx context.Context, i int, client redis.UniversalClient) *instance {
+	s := r.s
+	ictx, stop := context.WithCancel(ctx)
+	obs := &simObserver{r: r, inst: i, stop: stop}
+	lim, err := New(Config{
+		Redis: client, Limit: r.limitAt(r.since()), Instances: s.CfgInst, Timeout: s.Timeout,
+		OnFailure: s.Policy, Breaker: BreakerConfig{Probes: s.Probes}, Observer: obs,
+	})
+	if err != nil {
+		panic(err)
+	}
+	in := &instance{lim: lim, stop: stop}
+	in.wg.Go(func() { r.traffic(ictx, i, in) })
+	if i == 0 {
+		for w := range s.Waiters {
+			in.wg.Go(func() { r.waiter(ictx, i, w, in) })
+		}
+	}
+	return in
+}
+
 // simulate runs s inside a bubble of t and returns the violations found,
 // by invariant, and the calls it recorded.
 func simulate(t *testing.T, s schedule) (map[string][]string, []record) {
@@ -650,31 +674,8 @@ func (r *simRun) run() {
 				return struct{ net.Conn }{c}, nil // no SyscallConn, as a tls.Conn
 			},
 		})
-		ictx, stop := context.WithCancel(ctx)
-		obs := &simObserver{r: r, inst: i, stop: stop}
-		lim, err := New(Config{
-			Redis: client, Limit: r.limitAt(r.since()), Instances: s.CfgInst, Timeout: s.Timeout,
-			OnFailure: s.Policy, Breaker: BreakerConfig{Probes: s.Probes}, Observer: obs,
-		})
-		if err != nil {
-			panic(err)
-		}
-		in := &instance{lim: lim, client: client, stop: stop}
-		insts[i] = in
-		in.wg.Add(1)
-		go func() {
-			defer in.wg.Done()
-			r.traffic(ictx, i, in)
-		}()
-		if i == 0 {
-			for w := range s.Waiters {
-				in.wg.Add(1)
-				go func() {
-					defer in.wg.Done()
-					r.waiter(ictx, i, w, in)
-				}()
-			}
-		}
+		insts[i] = r.startInstance(ctx, i, client)
+		insts[i].client = client
 	}
 	for i := range s.Instances {
 		start(i)
