@@ -42,6 +42,15 @@ func onSimCluster(t *testing.T, cfg Config) (*simredis.Cluster, []*simnet.Link, 
 	return cl, links, lim
 }
 
+// hangMaster makes shard's master hang, as a SIGSTOPped process does,
+// until the test ends; its replica has what reached it (simredis.Cluster).
+func hangMaster(t *testing.T, cl *simredis.Cluster, links []*simnet.Link, shard int) {
+	master := cl.Master(shard)
+	cl.Stop(shard)
+	links[master].Hang()
+	t.Cleanup(links[master].Resume)
+}
+
 // TestQuietFailover: an instance that decides on a key every two seconds
 // meets a failover of the key's master. Its calls to the hung master are
 // too few to open the breaker, so the prober never reads the layout; the
@@ -129,9 +138,7 @@ func unseenFailover(t *testing.T, spent bool) {
 		t.Fatalf("before the fault: %+v, %v; want a remote decision", d, err)
 	}
 	time.Sleep(time.Second)
-	cl.Stop(shard)
-	links[master].Hang()
-	defer links[master].Resume()
+	hangMaster(t, cl, links, shard)
 	var local int
 	if spent {
 		// Calls that fail fall back to the local share, which grants.
@@ -206,15 +213,12 @@ func TestSettlingWaitBudget(t *testing.T) {
 		ctx := context.Background()
 		const key = "k"
 		shard := cl.ShardOf(DefaultPrefix + key)
-		master := cl.Master(shard)
 		time.Sleep(time.Second)
 		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
 			t.Fatalf("before the fault: %+v, %v", d, err)
 		}
 		time.Sleep(time.Second)
-		cl.Stop(shard)
-		links[master].Hang()
-		defer links[master].Resume()
+		hangMaster(t, cl, links, shard)
 		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeLocal || !d.Allowed {
 			t.Fatalf("on the hung master: %+v, %v; want a local grant", d, err)
 		}
@@ -295,7 +299,6 @@ func TestSettleWaitsOnlyForOwedKeys(t *testing.T) {
 		ctx := context.Background()
 		const key = "k"
 		shard := cl.ShardOf(DefaultPrefix + key)
-		master := cl.Master(shard)
 		var keys []string
 		for i := 0; len(keys) < 5000; i++ {
 			if k := "u" + strconv.Itoa(i); cl.ShardOf(DefaultPrefix+k) == shard {
@@ -306,9 +309,7 @@ func TestSettleWaitsOnlyForOwedKeys(t *testing.T) {
 		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
 			t.Fatalf("before the fault: %+v, %v", d, err)
 		}
-		cl.Stop(shard)
-		links[master].Hang()
-		defer links[master].Resume()
+		hangMaster(t, cl, links, shard)
 		for _, k := range keys {
 			lim.Allow(ctx, k) // local, once the breaker opens
 		}
