@@ -187,6 +187,7 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 	// names one that is not failing here.
 	l := &layout{began: began}
 	index := map[string]uint16{}
+	var down []bool // down[i-1]: l.addrs[i-1] is failing here
 	answered := false
 	for pending := len(addrs); pending > 0 && waiting > 0; pending-- {
 		var r reply
@@ -212,11 +213,13 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 			i, ok := index[a]
 			if !ok {
 				l.addrs = append(l.addrs, a)
+				down = append(down, failing[a])
 				i = uint16(len(l.addrs))
 				index[a] = i
 			}
+			// Thousands of slots a range: no map lookup per slot.
 			for s := max(rg.Start, 0); s <= rg.End && s < remote.Slots; s++ {
-				if cur := l.owner[s]; cur == 0 || failing[l.addrs[cur-1]] && !failing[a] {
+				if cur := l.owner[s]; cur == 0 || down[cur-1] && !down[i-1] {
 					l.owner[s] = i
 				}
 			}
