@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"math/rand/v2"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -185,6 +186,11 @@ type Config struct {
 
 	// now is the clock of the local buckets; nil means time.Now. Tests set it.
 	now func() time.Time
+	// rand is the source of the Limiter's random draws (its Once prefix,
+	// its breakers' jitter, WaitN's, its pacer's phase), uniform over
+	// uint64 and safe for concurrent use; nil means math/rand/v2. The
+	// simulator sets it so that a seed replays the same draws.
+	rand func() uint64
 	// noCache turns off answering denials from what Redis said; noHandoff
 	// stops recording what Redis said (so local buckets start full and no
 	// denial is cached); noReconcile stops charging Redis for local
@@ -316,6 +322,9 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.now == nil {
 		cfg.now = time.Now
+	}
+	if cfg.rand == nil {
+		cfg.rand = rand.Uint64
 	}
 	return nil
 }

@@ -32,7 +32,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"math/rand/v2"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -255,7 +254,7 @@ func New(cfg Config) (*Limiter, error) {
 		cfg:         cfg,
 		shares:      local.New(cfg.MaxLocalKeys),
 		unanswered:  map[string][]pendingCharge{},
-		onceBase:    strconv.FormatUint(rand.Uint64(), 36) + ".",
+		onceBase:    strconv.FormatUint(cfg.rand(), 36) + ".",
 		healed:      make(chan *node, 1),
 		owed:        make(chan struct{}, 1),
 		opened:      make(chan struct{}, 1),
@@ -307,6 +306,7 @@ func (lim *Limiter) newNode(addr string, c *redis.Client) *node {
 		OpenFor:  b.OpenFor,
 		Jitter:   b.Jitter,
 		Probes:   uint32(b.Probes),
+		Rand:     lim.cfg.rand,
 		OnStateChange: func(name string, from, to breaker.State) {
 			lim.cfg.Logger.Warn("hybridlimit: breaker state changed",
 				"limiter", lim.cfg.Name, "node", name, "from", from.String(), "to", to.String(),

@@ -62,6 +62,12 @@ type Settings struct {
 	// the breaker; any failed probe opens it again. Zero means 1.
 	Probes uint32
 
+	// Rand, if not nil, is the source of the jitter's draws: uniform over
+	// uint64 and safe for concurrent use. Nil means math/rand/v2. A
+	// deterministic simulation sets it, so that a run replays the same
+	// open periods.
+	Rand func() uint64
+
 	// OnStateChange, if not nil, is called after each transition, never
 	// while any lock is held, so it may call the Breaker's methods. Calls
 	// are made one at a time and in the order of the transitions, by the
@@ -79,6 +85,7 @@ type Breaker struct {
 	jitter   time.Duration // the open period is lengthened by a random duration in [0, jitter)
 	epoch    time.Time     // origin of openUntil, with a monotonic clock reading
 	onChange func(name string, from, to State)
+	rand     func() uint64 // the jitter's source
 
 	// Written only by record, which gobreaker calls with its mutex held.
 	state     atomic.Int32  // the last State gobreaker reported
@@ -110,12 +117,16 @@ func New(s Settings) *Breaker {
 	if s.Probes == 0 {
 		s.Probes = defaultProbes
 	}
+	if s.Rand == nil {
+		s.Rand = rand.Uint64
+	}
 	b := &Breaker{
 		name:     s.Name,
 		openFor:  s.OpenFor,
 		jitter:   maxJitter,
 		epoch:    time.Now(),
 		onChange: s.OnStateChange,
+		rand:     s.Rand,
 	}
 	if j := s.Jitter * float64(s.OpenFor); j < float64(maxJitter) {
 		b.jitter = time.Duration(j)
@@ -260,7 +271,7 @@ func (b *Breaker) record(_ string, from, to State) {
 	if to == StateOpen {
 		d := b.openFor
 		if b.jitter > 0 {
-			d += time.Duration(rand.Int64N(int64(b.jitter)))
+			d += time.Duration(b.rand() % uint64(b.jitter))
 		}
 		until = addSat(int64(time.Since(b.epoch)), int64(d))
 	}

@@ -163,6 +163,32 @@ func TestJitter(t *testing.T) {
 	}
 }
 
+// TestJitterFromRand: the jitter is drawn from Settings.Rand, so that two
+// breakers given the same source open for the same periods.
+func TestJitterFromRand(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const openFor = time.Second
+		source := func() func() uint64 {
+			x := uint64(0)
+			return func() uint64 { x += 123_456_789_011; return x }
+		}
+		a := New(Settings{Failures: 1, OpenFor: openFor, Jitter: 0.5, Rand: source()})
+		b := New(Settings{Failures: 1, OpenFor: openFor, Jitter: 0.5, Rand: source()})
+		draws := source()
+		for i := range 5 {
+			trip(t, a)
+			trip(t, b)
+			want := openFor + time.Duration(draws()%uint64(openFor/2))
+			if da, db := time.Until(a.OpenUntil()), time.Until(b.OpenUntil()); da != want || db != want {
+				t.Fatalf("trip %d: open for %v and %v; want %v for both", i, da, db, want)
+			}
+			time.Sleep(want + 1)
+			run(t, a, []call{{Success, true, StateClosed}})
+			run(t, b, []call{{Success, true, StateClosed}})
+		}
+	})
+}
+
 // TestLateResultKeepsOpen reports a call's result after the breaker opened,
 // past gobreaker's Timeout but inside the jitter: it must not end the open
 // period early.
