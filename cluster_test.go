@@ -474,6 +474,14 @@ func TestClusterFunctions(t *testing.T) {
 	cl := redistest.StartCluster(t, 3)
 	const prefix = "fn:"
 	lim := newLimiter(t, Config{Redis: cl.Client(t), Limit: PerSecond(100), Prefix: prefix, Heartbeat: -1, Instances: 1, Timeout: time.Second})
+	if err := lim.cluster.ForEachMaster(context.Background(), func(_ context.Context, c *redis.Client) error {
+		if n := c.PoolStats().TotalConns; n < remote.DefaultInFlight {
+			t.Errorf("master %s: %d connections after the first contact; want %d", c.Options().Addr, n, remote.DefaultInFlight)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
 	name, _ := remote.Library()
 	for _, s := range cl.Nodes {
 		if libs, _ := s.Do(t, "FUNCTION", "LIST", "LIBRARYNAME", name).([]any); len(libs) != 1 {

@@ -849,10 +849,13 @@ func (lim *Limiter) share(key string, l Limit) (rate.Limit, int, float64) {
 
 // warm makes the first contact with Redis in the background, so that the
 // first decisions do not pay for it inside their budget: it loads the
-// scripts into every node's cache (which opens a connection to each) and,
-// for a Cluster, the slot layout, retrying the layout until it loads or
-// Close. A failure to load the scripts is harmless: decisions load them as
-// they go.
+// scripts into every node's cache and, for a Cluster, the slot layout,
+// retrying the layout until it loads or Close, and it opens the
+// connections to each node that its pipe keeps busy at once. Left to the
+// first decisions, dialing them (go-redis's handshake included) took a
+// busy machine past the budget of five of them in a row, and a breaker
+// opened on a healthy Redis right after the start. A failure to load the
+// scripts is harmless: decisions load them as they go.
 func (lim *Limiter) warm() {
 	defer lim.wg.Done()
 	defer close(lim.warmed)
@@ -863,6 +866,7 @@ func (lim *Limiter) warm() {
 		if err := remote.Load(ctx, lim.cfg.Redis); err != nil {
 			lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)
 		}
+		remote.Open(ctx, lim.cfg.Redis, remote.DefaultInFlight)
 		return
 	}
 	t := time.NewTimer(time.Hour)
@@ -871,7 +875,9 @@ func (lim *Limiter) warm() {
 		ctx, cancel := context.WithTimeout(lim.ctx, time.Second)
 		err := lim.cluster.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
 			lim.mapped.Store(true) // ForEachMaster calls fn only once a layout is loaded
-			return remote.Load(ctx, c)
+			err := remote.Load(ctx, c)
+			remote.Open(ctx, c, remote.DefaultInFlight)
+			return err
 		})
 		cancel()
 		if wait == 100*time.Millisecond {

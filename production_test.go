@@ -349,6 +349,20 @@ func TestColdStart(t *testing.T) {
 	}
 }
 
+// TestFirstContactDials: once the first contact is over, the client's pool
+// holds the connections a node's pipe keeps busy at once, so that the
+// first decisions do not dial them inside their budgets (TestColdStart's
+// breakers opened on a busy machine while they did).
+func TestFirstContactDials(t *testing.T) {
+	withRedis(t, func(t *testing.T, r *testRedis) {
+		c := r.client(t)
+		newLimiter(t, Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1})
+		if n := c.PoolStats().TotalConns; n < remote.DefaultInFlight {
+			t.Errorf("%d connections after the first contact; want %d", n, remote.DefaultInFlight)
+		}
+	})
+}
+
 // TestWaitNFairness: 12 workers on 3 instances wait on one key for 4 s,
 // one of them for 5 tokens at a time and the others for 1. The one that asks for
 // more is not starved, the limit holds, and Redis runs about one script

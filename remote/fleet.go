@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -168,4 +169,16 @@ func Load(ctx context.Context, c redis.Cmdable) error {
 		}
 	}
 	return nil
+}
+
+// Open opens up to n connections of c's pool to its node, by n PINGs sent
+// at once, none retried, and returns once all are answered or have
+// failed; ctx bounds them as it bounds any command of c. For a Cluster,
+// call it with each master's client.
+func Open(ctx context.Context, c redis.UniversalClient, n int) {
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() { _ = c.Process(ctx, noRetryCmd{redis.NewCmd(ctx, "ping")}) })
+	}
+	wg.Wait()
 }
