@@ -476,7 +476,7 @@ func TestClusterFunctions(t *testing.T) {
 	lim := newLimiter(t, Config{Redis: cl.Client(t), Limit: PerSecond(100), Prefix: prefix, Heartbeat: -1, Instances: 1, Timeout: time.Second})
 	if err := lim.cluster.ForEachMaster(context.Background(), func(_ context.Context, c *redis.Client) error {
 		if n := c.PoolStats().TotalConns; n < remote.DefaultInFlight {
-			t.Errorf("master %s: %d connections after the first contact; want %d", c.Options().Addr, n, remote.DefaultInFlight)
+			t.Errorf("master %s: %d connections after the first contact; want at least %d", c.Options().Addr, n, remote.DefaultInFlight)
 		}
 		return nil
 	}); err != nil {

@@ -187,10 +187,10 @@ type Config struct {
 	// now is the clock of the local buckets; nil means time.Now. Tests set it.
 	now func() time.Time
 	// rand is the source of the Limiter's random draws (its Once prefix,
-	// its breakers' jitter, WaitN's, its pacer's phase), uniform over
-	// uint64 and safe for concurrent use; nil means math/rand/v2. The
+	// its breakers' jitter, WaitN's, its pacer's phase), safe for
+	// concurrent use; nil means math/rand/v2's global source. The
 	// simulator sets it so that a seed replays the same draws.
-	rand func() uint64
+	rand rand.Source
 	// noCache turns off answering denials from what Redis said; noHandoff
 	// stops recording what Redis said (so local buckets start full and no
 	// denial is cached); noReconcile stops charging Redis for local
@@ -324,7 +324,7 @@ func (cfg *Config) validate() error {
 		cfg.now = time.Now
 	}
 	if cfg.rand == nil {
-		cfg.rand = rand.Uint64
+		cfg.rand = globalSource{}
 	}
 	return nil
 }
@@ -364,3 +364,8 @@ func (lim *Limiter) SetLimit(l Limit) error {
 	lim.limit.Store(&ls)
 	return nil
 }
+
+// globalSource is math/rand/v2's global source, as a Source.
+type globalSource struct{}
+
+func (globalSource) Uint64() uint64 { return rand.Uint64() }

@@ -324,10 +324,6 @@ var pacers struct {
 	by map[redis.UniversalClient]*pacer
 }
 
-// unit maps x, uniform over uint64, to [0, 1): its top 53 bits, as
-// math/rand/v2's Float64 does.
-func unit(x uint64) float64 { return float64(x>>11) / (1 << 53) }
-
 // join adds h to the pacer of its Limiter's client, starting the pacer if
 // h is its first.
 func join(h *heart) *pacer {
@@ -339,7 +335,7 @@ func join(h *heart) *pacer {
 		if pacers.by == nil {
 			pacers.by = make(map[redis.UniversalClient]*pacer)
 		}
-		p = &pacer{c: c, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: unit(h.lim.cfg.rand()) * pacerSlots,
+		p = &pacer{c: c, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: h.lim.rand.Float64() * pacerSlots,
 			node: &remote.Node{Name: "heartbeats", Log: h.lim.cfg.Logger, Now: h.lim.cfg.now}}
 		p.ctx, p.stop = context.WithCancel(context.Background())
 		pacers.by[c] = p

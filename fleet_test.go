@@ -259,7 +259,7 @@ func TestPacerSharesRoundTrips(t *testing.T) {
 func TestPacerOffsets(t *testing.T) {
 	const every, n = time.Second, 200
 	newLim := func(c *redis.Client) *Limiter {
-		lim := &Limiter{cfg: Config{Redis: c, Heartbeat: every, rand: rand.Uint64}}
+		lim := &Limiter{cfg: Config{Redis: c, Heartbeat: every}, rand: rand.New(globalSource{})}
 		lim.ctx, lim.cancel = context.WithCancel(context.Background())
 		return lim
 	}

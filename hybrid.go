@@ -32,6 +32,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -152,8 +153,9 @@ type Limiter struct {
 	// unanswered holds, by key, the charges sent and not answered: sent
 	// again under the same Once, Redis applies each at most once.
 	unanswered map[string][]pendingCharge
-	onces      uint64 // charges named so far
-	onceBase   string // this Limiter's part of every Once, random
+	onces      uint64     // charges named so far
+	onceBase   string     // this Limiter's part of every Once, random
+	rand       *rand.Rand // every random draw of the Limiter, from Config.rand
 	// spentLocally is set by the first local decision that granted tokens:
 	// from then on there can be local spending to charge.
 	spentLocally atomic.Bool
@@ -238,13 +240,18 @@ const sweepEvery = 10 * time.Second
 // names the offending field.
 //
 // New starts a few goroutines per Redis node, which send decisions, one
-// that loads the scripts into Redis, one that drops idle local buckets, one that probes nodes whose breaker is
-// open, one that charges Redis for local spending when a node's breaker
-// closes; Close stops them and waits for them to return. The fleet
-// heartbeats of all Limiters that share one client are sent by one
-// goroutine, which the first of them starts and the last to Close stops
-// and waits for. New does not talk to
-// Redis: the first decision loads the script.
+// that makes the first contact with Redis, one that drops idle local
+// buckets, one that probes nodes whose breaker is open, one that charges
+// Redis for local spending when a node's breaker closes; Close stops them
+// and waits for them to return. The fleet heartbeats of all Limiters that
+// share one client are sent by one goroutine, which the first of them
+// starts and the last to Close stops and waits for.
+//
+// New itself does not wait for Redis. The first contact, in the
+// background, loads the scripts (and a Cluster's layout) on every node and
+// sends remote.DefaultInFlight PINGs to each, each on a connection of its
+// own: a client's hooks see them. No decision waits for it beyond its own
+// budget.
 func New(cfg Config) (*Limiter, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
@@ -254,7 +261,7 @@ func New(cfg Config) (*Limiter, error) {
 		cfg:         cfg,
 		shares:      local.New(cfg.MaxLocalKeys),
 		unanswered:  map[string][]pendingCharge{},
-		onceBase:    strconv.FormatUint(cfg.rand(), 36) + ".",
+		rand:        rand.New(cfg.rand),
 		healed:      make(chan *node, 1),
 		owed:        make(chan struct{}, 1),
 		opened:      make(chan struct{}, 1),
@@ -262,6 +269,7 @@ func New(cfg Config) (*Limiter, error) {
 		warmed:      make(chan struct{}),
 		done:        make(chan struct{}),
 	}
+	lim.onceBase = strconv.FormatUint(lim.rand.Uint64(), 36) + "."
 	lim.ctx, lim.cancel = context.WithCancel(context.Background())
 	lim.born = time.Now()
 	ls, _ := cfg.Limit.check() // validate checked it
@@ -851,11 +859,11 @@ func (lim *Limiter) share(key string, l Limit) (rate.Limit, int, float64) {
 // first decisions do not pay for it inside their budget: it loads the
 // scripts into every node's cache and, for a Cluster, the slot layout,
 // retrying the layout until it loads or Close, and it opens the
-// connections to each node that its pipe keeps busy at once. Left to the
-// first decisions, dialing them (go-redis's handshake included) took a
-// busy machine past the budget of five of them in a row, and a breaker
-// opened on a healthy Redis right after the start. A failure to load the
-// scripts is harmless: decisions load them as they go.
+// connections to each node that its pipe keeps busy at once: dialing them,
+// go-redis's handshake included, inside the first decisions' budgets can
+// take a busy machine past several budgets in a row and open a breaker on
+// a healthy Redis. A failure to load the scripts is harmless: decisions
+// load them as they go.
 func (lim *Limiter) warm() {
 	defer lim.wg.Done()
 	defer close(lim.warmed)
@@ -863,10 +871,13 @@ func (lim *Limiter) warm() {
 		close(lim.tried)
 		ctx, cancel := context.WithTimeout(lim.ctx, time.Second)
 		defer cancel()
-		if err := remote.Load(ctx, lim.cfg.Redis); err != nil {
+		err := remote.Load(ctx, lim.cfg.Redis)
+		if err != nil {
 			lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)
 		}
-		remote.Open(ctx, lim.cfg.Redis, remote.DefaultInFlight)
+		if !remote.IsFailure(err) {
+			remote.Ping(ctx, lim.cfg.Redis, remote.DefaultInFlight)
+		}
 		return
 	}
 	t := time.NewTimer(time.Hour)
@@ -876,7 +887,9 @@ func (lim *Limiter) warm() {
 		err := lim.cluster.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
 			lim.mapped.Store(true) // ForEachMaster calls fn only once a layout is loaded
 			err := remote.Load(ctx, c)
-			remote.Open(ctx, c, remote.DefaultInFlight)
+			if !remote.IsFailure(err) {
+				remote.Ping(ctx, c, remote.DefaultInFlight)
+			}
 			return err
 		})
 		cancel()

@@ -351,14 +351,14 @@ func TestColdStart(t *testing.T) {
 
 // TestFirstContactDials: once the first contact is over, the client's pool
 // holds the connections a node's pipe keeps busy at once, so that the
-// first decisions do not dial them inside their budgets (TestColdStart's
-// breakers opened on a busy machine while they did).
+// first decisions do not dial them inside their budgets (on a busy
+// machine that opens breakers: TestColdStart).
 func TestFirstContactDials(t *testing.T) {
 	withRedis(t, func(t *testing.T, r *testRedis) {
 		c := r.client(t)
 		newLimiter(t, Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1})
 		if n := c.PoolStats().TotalConns; n < remote.DefaultInFlight {
-			t.Errorf("%d connections after the first contact; want %d", n, remote.DefaultInFlight)
+			t.Errorf("%d connections after the first contact; want at least %d", n, remote.DefaultInFlight)
 		}
 	})
 }

@@ -535,20 +535,25 @@ func (r *simRun) startInstance(ctx context.Context, i int, client redis.Universa
 	return in
 }
 
-// draws returns the random source of slot i's Limiter in the run of seed:
-// splitmix64 over a counter, safe for concurrent use, so that a replay
-// draws the same breaker jitter, WaitN jitter, pacer phase and Once prefix.
-// The order in which goroutines runnable at one virtual instant draw is
-// the scheduler's.
-func draws(seed uint64, i int) func() uint64 {
-	var state atomic.Uint64
-	state.Store(seed*0x9e3779b97f4a7c15 ^ uint64(i+1)*0xbf58476d1ce4e5b9)
-	return func() uint64 {
-		z := state.Add(0x9e3779b97f4a7c15)
-		z = (z ^ z>>30) * 0xbf58476d1ce4e5b9
-		z = (z ^ z>>27) * 0x94d049bb133111eb
-		return z ^ z>>31
-	}
+// draws returns the random source of slot i's Limiter in the run of seed,
+// so that a replay draws the same breaker jitter, WaitN jitter, pacer
+// phase and Once prefix. The order in which goroutines runnable at one
+// virtual instant draw is the scheduler's.
+func draws(seed uint64, i int) rand.Source {
+	s := new(splitmix)
+	s.state.Store(seed*0x9e3779b97f4a7c15 ^ uint64(i+1)*0xbf58476d1ce4e5b9)
+	return s
+}
+
+// splitmix is SplitMix64 over an atomic counter: a Source safe for
+// concurrent use.
+type splitmix struct{ state atomic.Uint64 }
+
+func (s *splitmix) Uint64() uint64 {
+	z := s.state.Add(0x9e3779b97f4a7c15)
+	z = (z ^ z>>30) * 0xbf58476d1ce4e5b9
+	z = (z ^ z>>27) * 0x94d049bb133111eb
+	return z ^ z>>31
 }
 
 // simulate runs s inside a bubble of t and returns the violations found,

@@ -226,7 +226,7 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 			answered = true
 		}
 		if slot >= 0 {
-			if i := l.owner[slot]; i > 0 && !failing[l.addrs[i-1]] {
+			if i := l.owner[slot]; i > 0 && !down[i-1] {
 				break // what the caller asked for, the slot's master now
 			}
 		}

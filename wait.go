@@ -75,7 +75,7 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 			delay = time.Millisecond
 		}
 		delay = min(delay, maxWaitStep)
-		delay += time.Duration(lim.cfg.rand() % uint64(delay/10+1))
+		delay += time.Duration(lim.rand.Int64N(int64(delay/10) + 1))
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < delay {
 			return fmt.Errorf("hybridlimit: WaitN(n=%d) for %v would exceed the context's deadline: %w",
 				n, delay, context.DeadlineExceeded)

@@ -62,11 +62,12 @@ type Settings struct {
 	// the breaker; any failed probe opens it again. Zero means 1.
 	Probes uint32
 
-	// Rand, if not nil, is the source of the jitter's draws: uniform over
-	// uint64 and safe for concurrent use. Nil means math/rand/v2. A
+	// Rand, if not nil, is the source of the jitter's draws. It must be
+	// safe for concurrent use, and it is called with gobreaker's mutex
+	// held, so it must not block. Nil means math/rand/v2's global source. A
 	// deterministic simulation sets it, so that a run replays the same
 	// open periods.
-	Rand func() uint64
+	Rand rand.Source
 
 	// OnStateChange, if not nil, is called after each transition, never
 	// while any lock is held, so it may call the Breaker's methods. Calls
@@ -85,7 +86,7 @@ type Breaker struct {
 	jitter   time.Duration // the open period is lengthened by a random duration in [0, jitter)
 	epoch    time.Time     // origin of openUntil, with a monotonic clock reading
 	onChange func(name string, from, to State)
-	rand     func() uint64 // the jitter's source
+	rand     *rand.Rand // the jitter's draws
 
 	// Written only by record, which gobreaker calls with its mutex held.
 	state     atomic.Int32  // the last State gobreaker reported
@@ -118,7 +119,7 @@ func New(s Settings) *Breaker {
 		s.Probes = defaultProbes
 	}
 	if s.Rand == nil {
-		s.Rand = rand.Uint64
+		s.Rand = globalSource{}
 	}
 	b := &Breaker{
 		name:     s.Name,
@@ -126,7 +127,7 @@ func New(s Settings) *Breaker {
 		jitter:   maxJitter,
 		epoch:    time.Now(),
 		onChange: s.OnStateChange,
-		rand:     s.Rand,
+		rand:     rand.New(s.Rand),
 	}
 	if j := s.Jitter * float64(s.OpenFor); j < float64(maxJitter) {
 		b.jitter = time.Duration(j)
@@ -271,7 +272,7 @@ func (b *Breaker) record(_ string, from, to State) {
 	if to == StateOpen {
 		d := b.openFor
 		if b.jitter > 0 {
-			d += time.Duration(b.rand() % uint64(b.jitter))
+			d += time.Duration(b.rand.Int64N(int64(b.jitter)))
 		}
 		until = addSat(int64(time.Since(b.epoch)), int64(d))
 	}
@@ -323,6 +324,11 @@ func (b *Breaker) notify() {
 		locked = true
 	}
 }
+
+// globalSource is math/rand/v2's global source, as a Source.
+type globalSource struct{}
+
+func (globalSource) Uint64() uint64 { return rand.Uint64() }
 
 // addSat returns a+b for b >= 0, saturating at the largest int64.
 func addSat(a, b int64) int64 {

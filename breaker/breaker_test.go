@@ -2,6 +2,7 @@ package breaker
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"runtime"
 	"slices"
 	"sync"
@@ -168,17 +169,13 @@ func TestJitter(t *testing.T) {
 func TestJitterFromRand(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const openFor = time.Second
-		source := func() func() uint64 {
-			x := uint64(0)
-			return func() uint64 { x += 123_456_789_011; return x }
-		}
-		a := New(Settings{Failures: 1, OpenFor: openFor, Jitter: 0.5, Rand: source()})
-		b := New(Settings{Failures: 1, OpenFor: openFor, Jitter: 0.5, Rand: source()})
-		draws := source()
+		a := New(Settings{Failures: 1, OpenFor: openFor, Jitter: 0.5, Rand: rand.NewPCG(1, 2)})
+		b := New(Settings{Failures: 1, OpenFor: openFor, Jitter: 0.5, Rand: rand.NewPCG(1, 2)})
+		draws := rand.New(rand.NewPCG(1, 2))
 		for i := range 5 {
 			trip(t, a)
 			trip(t, b)
-			want := openFor + time.Duration(draws()%uint64(openFor/2))
+			want := openFor + time.Duration(draws.Int64N(int64(openFor/2)))
 			if da, db := time.Until(a.OpenUntil()), time.Until(b.OpenUntil()); da != want || db != want {
 				t.Fatalf("trip %d: open for %v and %v; want %v for both", i, da, db, want)
 			}

@@ -171,14 +171,42 @@ func Load(ctx context.Context, c redis.Cmdable) error {
 	return nil
 }
 
-// Open opens up to n connections of c's pool to its node, by n PINGs sent
-// at once, none retried, and returns once all are answered or have
-// failed; ctx bounds them as it bounds any command of c. For a Cluster,
-// call it with each master's client.
-func Open(ctx context.Context, c redis.UniversalClient, n int) {
-	var wg sync.WaitGroup
-	for range n {
-		wg.Go(func() { _ = c.Process(ctx, noRetryCmd{redis.NewCmd(ctx, "ping")}) })
+// Ping sends n PINGs through c at once, none retried, and returns once
+// all are answered or have failed; ctx bounds them as it bounds any
+// command of c. On a *redis.Client each PING goes out on a connection of
+// its own, held until every one has been answered or has failed (an
+// answered PING would otherwise hand its connection to one still waiting
+// for one), and n is capped at the pool's size: Ping opens up to n
+// connections to c's node, and tries up to n of its idle ones. For a
+// Cluster, call it with each master's client.
+func Ping(ctx context.Context, c redis.UniversalClient, n int) {
+	one, _ := c.(*redis.Client)
+	if one != nil {
+		o := one.Options()
+		n = min(n, o.PoolSize)
+		if o.MaxActiveConns > 0 {
+			n = min(n, o.MaxActiveConns)
+		}
 	}
+	var wg, pinged sync.WaitGroup
+	pinged.Add(n)
+	all := make(chan struct{})
+	for range n {
+		wg.Go(func() {
+			cmd := noRetryCmd{redis.NewCmd(ctx, "ping")}
+			if one == nil {
+				_ = c.Process(ctx, cmd)
+				pinged.Done()
+				return
+			}
+			conn := one.Conn()
+			_ = conn.Process(ctx, cmd)
+			pinged.Done()
+			<-all
+			_ = conn.Close() // back to the pool, unless go-redis found it broken
+		})
+	}
+	pinged.Wait()
+	close(all)
 	wg.Wait()
 }
