@@ -215,8 +215,6 @@ type node struct {
 	// a call, kept to within a tenth of quietFor: calls to a node quiet for
 	// longer, or never heard, are watched for a failover (watch).
 	answered atomic.Int64
-	// flushing is set while a flush of the node's idle connections runs.
-	flushing atomic.Bool
 	// direct is the pipe of a Cluster node's probes, to its own address;
 	// made once, by the prober (probePipe).
 	once   sync.Once

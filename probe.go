@@ -145,48 +145,7 @@ func (lim *Limiter) probe(ctx context.Context, nd *node) {
 		}
 		ticket.Done(verdict)
 		if verdict != breaker.Success {
-			if o == unanswered {
-				lim.flush(nd)
-			}
 			return
 		}
 	}
-}
-
-// flush sends, in the background, one PING, not retried, on each idle
-// connection of the client a single node's probes go through, for at most
-// an open period.
-//
-// A probe sent and not answered within its budget may have met a
-// connection that a reset broke and the client cannot see broken: one it
-// dialed for a decision that gave up, never used, over TLS (go-redis asks
-// the kernel only about a connection that is itself a socket). go-redis
-// tries its handshake on such a connection again with back-offs, past the
-// probe's budget, and each one left in the pool costs one more open
-// period. A PING on it spends the back-offs during this open period, and
-// go-redis drops it; on a healthy connection it is answered at once.
-//
-// Against a Redis that hangs, a PING waits out the client's time-out, and
-// go-redis drops a connection whose read timed out: a round takes from
-// the pool the idle connections the hang left it, which the first
-// decisions after it would have used. They are few: each call the hang
-// holds keeps a connection of its own, not idle. One round runs at a time
-// per node. A Cluster node's probes go through the limiter's own client,
-// which retries no handshake.
-func (lim *Limiter) flush(nd *node) {
-	if lim.cluster != nil {
-		return
-	}
-	c := lim.cfg.Redis
-	n := int(c.PoolStats().IdleConns)
-	if n == 0 || !nd.flushing.CompareAndSwap(false, true) {
-		return
-	}
-	// The prober runs in lim.wg, so Close is not done waiting for it.
-	lim.wg.Go(func() {
-		defer nd.flushing.Store(false)
-		ctx, cancel := context.WithTimeout(lim.ctx, lim.cfg.Breaker.OpenFor)
-		defer cancel()
-		remote.Ping(ctx, c, n)
-	})
 }

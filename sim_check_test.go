@@ -79,33 +79,3 @@ func TestSimWindowsFindsOverAdmission(t *testing.T) {
 		t.Errorf("41 admitted locally by two instances of weight 0.5: %v; want one window-limit", got)
 	}
 }
-
-// TestSimBrokenPooledConnsOverTLS: seed 1419's schedule, shrunk. Under a
-// latency of three budgets, decisions give up before the connections
-// dialed for them are up, and go-redis pools those connections unused;
-// then every connection is reset. Over TLS go-redis cannot see that a
-// pooled connection is broken, and it tries its handshake on one again
-// with back-offs past a probe's budget: a probe that meets one fails and
-// opens the breaker again, and without flush the instances come back to
-// Redis one open period per broken connection late. A probe that is not
-// answered has the idle connections PINGed during the open period, which
-// spends the back-offs there: the instances are back within the recovery
-// bound.
-func TestSimBrokenPooledConnsOverTLS(t *testing.T) {
-	s := schedule{
-		Seed: 1419, Instances: 10, Slots: 11, CfgInst: 10, Policy: FailLocal,
-		Limit: Limit{Rate: 10, Burst: 20}, Timeout: 50 * time.Millisecond, Probes: 3,
-		Keys: 3, Shape: "even", Offered: 180, Deadline: "long", MaxN: 3, Refunds: 0.1,
-		Duration: 3784 * time.Millisecond, TLS: true,
-		Events: []event{
-			{At: 1225 * time.Millisecond, Kind: "latency", Who: []int{0, 3, 7, 9, 10}, For: 577 * time.Millisecond, Lat: 150 * time.Millisecond},
-			{At: 1802 * time.Millisecond, Kind: "reset"},
-		},
-	}
-	v, _ := simulate(t, s)
-	for _, name := range invariants {
-		if msgs := v[name]; len(msgs) > 0 {
-			t.Errorf("%s (%d): %s", name, len(msgs), msgs[0])
-		}
-	}
-}
