@@ -859,11 +859,11 @@ func (lim *Limiter) share(key string, l Limit) (rate.Limit, int, float64) {
 // first decisions do not pay for it inside their budget: it loads the
 // scripts into every node's cache and, for a Cluster, the slot layout,
 // retrying the layout until it loads or Close, and it opens the
-// connections to each node that its pipe keeps busy at once: dialing them,
-// go-redis's handshake included, inside the first decisions' budgets can
-// take a busy machine past several budgets in a row and open a breaker on
-// a healthy Redis. A failure to load the scripts is harmless: decisions
-// load them as they go.
+// connections to each node that its pipe keeps busy at once with calls
+// sent alone: dialing them, go-redis's handshake included, inside the
+// first decisions' budgets can take a busy machine past several budgets in
+// a row and open a breaker on a healthy Redis. A failure to load the
+// scripts is harmless: decisions load them as they go.
 func (lim *Limiter) warm() {
 	defer lim.wg.Done()
 	defer close(lim.warmed)
@@ -876,7 +876,7 @@ func (lim *Limiter) warm() {
 			lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)
 		}
 		if !remote.IsFailure(err) {
-			remote.Ping(ctx, lim.cfg.Redis, remote.DefaultInFlight)
+			remote.Ping(ctx, lim.cfg.Redis, remote.DefaultInFlight, lim.cfg.Timeout)
 		}
 		return
 	}
@@ -888,7 +888,7 @@ func (lim *Limiter) warm() {
 			lim.mapped.Store(true) // ForEachMaster calls fn only once a layout is loaded
 			err := remote.Load(ctx, c)
 			if !remote.IsFailure(err) {
-				remote.Ping(ctx, c, remote.DefaultInFlight)
+				remote.Ping(ctx, c, remote.DefaultInFlight, lim.cfg.Timeout)
 			}
 			return err
 		})

@@ -174,12 +174,16 @@ func Load(ctx context.Context, c redis.Cmdable) error {
 // Ping sends n PINGs through c at once, none retried, and returns once
 // all are answered or have failed; ctx bounds them as it bounds any
 // command of c. On a *redis.Client each PING goes out on a connection of
-// its own, held until every one has been answered or has failed (an
-// answered PING would otherwise hand its connection to one still waiting
-// for one), and n is capped at the pool's size: Ping opens up to n
-// connections to c's node, and tries up to n of its idle ones. For a
-// Cluster, call it with each master's client.
-func Ping(ctx context.Context, c redis.UniversalClient, n int) {
+// its own (c.Conn), and n is capped at the pool's size, so that Ping opens
+// up to n connections to c's node: an answered PING keeps its connection
+// until every PING is answered, or for hold at most, rather than hand it
+// to one still waiting for a connection. hold bounds how long a PING that
+// cannot get a connection (the pool is busy: other Pings on the same
+// client, or the application's own commands) keeps others out of the pool.
+// go-redis keeps the connections of pipelines in a pool of their own,
+// which Ping does not open. For a Cluster, call it with each master's
+// client.
+func Ping(ctx context.Context, c redis.UniversalClient, n int, hold time.Duration) {
 	one, _ := c.(*redis.Client)
 	if one != nil {
 		o := one.Options()
@@ -189,9 +193,19 @@ func Ping(ctx context.Context, c redis.UniversalClient, n int) {
 		}
 	}
 	var wg, pinged sync.WaitGroup
-	pinged.Add(n)
+	pinged.Add(min(n, 1))
 	all := make(chan struct{})
-	for range n {
+	for i := range n {
+		if i == 1 {
+			// The first PING's connection is set up before the others
+			// start: on it go-redis learns whether the server takes its
+			// maintenance-notifications handshake and records that in
+			// the client's options, which the connections of c.Conn() share
+			// under locks of their own (a data race under -race when they
+			// are set up at once against a server that refuses it).
+			pinged.Wait()
+			pinged.Add(n - 1)
+		}
 		wg.Go(func() {
 			cmd := noRetryCmd{redis.NewCmd(ctx, "ping")}
 			if one == nil {
@@ -202,7 +216,12 @@ func Ping(ctx context.Context, c redis.UniversalClient, n int) {
 			conn := one.Conn()
 			_ = conn.Process(ctx, cmd)
 			pinged.Done()
-			<-all
+			t := time.NewTimer(hold)
+			select {
+			case <-all:
+			case <-t.C:
+			}
+			t.Stop()
 			_ = conn.Close() // back to the pool, unless go-redis found it broken
 		})
 	}

@@ -642,3 +642,38 @@ func TestSlot(t *testing.T) {
 		t.Errorf("an empty {} was taken for a hash tag")
 	}
 }
+
+// TestPingOpensConns: Ping leaves n connections in the pool, and when the
+// pool cannot give it n at once (the application holds some), it keeps
+// the ones it has for hold at most, then lets the rest through, rather
+// than waiting out its context with the pool in its hands.
+func TestPingOpensConns(t *testing.T) {
+	m := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: m.Addr(), PoolSize: 4})
+	t.Cleanup(func() { c.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	Ping(ctx, c, 4, time.Second)
+	if n := c.PoolStats().TotalConns; n != 4 {
+		t.Errorf("%d connections after Ping of 4; want 4", n)
+	}
+
+	// The application holds two of the four.
+	var held []*redis.Conn
+	for range 2 {
+		conn := c.Conn()
+		if err := conn.Ping(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, conn)
+	}
+	const hold = 50 * time.Millisecond
+	start := time.Now()
+	Ping(ctx, c, 4, hold)
+	if took := time.Since(start); took > 10*hold {
+		t.Errorf("Ping of 4 with 2 of 4 connections held elsewhere took %v; want about %v", took, hold)
+	}
+	for _, conn := range held {
+		conn.Close()
+	}
+}
