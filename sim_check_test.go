@@ -79,3 +79,33 @@ func TestSimWindowsFindsOverAdmission(t *testing.T) {
 		t.Errorf("41 admitted locally by two instances of weight 0.5: %v; want one window-limit", got)
 	}
 }
+
+// TestSimBrokenPooledConnsOverTLS: seed 1419's schedule, shrunk. Under a
+// latency of three budgets, decisions give up before the connections
+// dialed for them are up, and go-redis pools those connections unused;
+// then every connection is reset. Over TLS go-redis cannot see that a
+// pooled connection is broken, and it tries its handshake on one again
+// with back-offs past a probe's budget: a probe that meets one fails and
+// opens the breaker again, one open period per broken connection. The
+// connections the first contact opens (warm) serve the decisions under the
+// latency instead, so few are dialed and left unused, and the instances
+// are back within the recovery bound. More decisions at once than those
+// connections during such a latency would leave broken ones again.
+func TestSimBrokenPooledConnsOverTLS(t *testing.T) {
+	s := schedule{
+		Seed: 1419, Instances: 10, Slots: 11, CfgInst: 10, Policy: FailLocal,
+		Limit: Limit{Rate: 10, Burst: 20}, Timeout: 50 * time.Millisecond, Probes: 3,
+		Keys: 3, Shape: "even", Offered: 180, Deadline: "long", MaxN: 3, Refunds: 0.1,
+		Duration: 3784 * time.Millisecond, TLS: true,
+		Events: []event{
+			{At: 1225 * time.Millisecond, Kind: "latency", Who: []int{0, 3, 7, 9, 10}, For: 577 * time.Millisecond, Lat: 150 * time.Millisecond},
+			{At: 1802 * time.Millisecond, Kind: "reset"},
+		},
+	}
+	v, _ := simulate(t, s)
+	for _, name := range invariants {
+		if msgs := v[name]; len(msgs) > 0 {
+			t.Errorf("%s (%d): %s", name, len(msgs), msgs[0])
+		}
+	}
+}
