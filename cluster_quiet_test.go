@@ -3,6 +3,7 @@ package hybridlimit
 import (
 	"context"
 	"math"
+	"math/rand/v2"
 	"strconv"
 	"sync"
 	"testing"
@@ -265,6 +266,46 @@ func TestKeepLayout(t *testing.T) {
 	lim.keepLayout(newest)
 	if lim.layout.Load() != newest {
 		t.Error("a later reading was not kept")
+	}
+}
+
+// TestLayoutClaim: the layout's spans give every slot the owner a table of
+// every slot gives it, taking for each slot the first answer's master that
+// is not down, over random answers that disagree, overlap and leave gaps.
+func TestLayoutClaim(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for run := range 500 {
+		owners := 1 + r.IntN(5)
+		down := make([]bool, owners)
+		for j := range down {
+			down[j] = r.IntN(3) == 0
+		}
+		var l layout
+		var want [remote.Slots]uint16
+		for range 1 + r.IntN(12) {
+			first := r.IntN(remote.Slots+200) - 100
+			last := first + r.IntN(remote.Slots/2)
+			if r.IntN(4) == 0 {
+				last = first + r.IntN(3) // a slot or two, as resharding leaves
+			}
+			i := uint16(1 + r.IntN(owners))
+			l.claim(first, last, i, down)
+			for s := max(first, 0); s <= last && s < remote.Slots; s++ {
+				if cur := want[s]; cur == 0 || down[cur-1] && !down[i-1] {
+					want[s] = i
+				}
+			}
+		}
+		for s := range remote.Slots {
+			if got := l.ownerOf(s); got != want[s] {
+				t.Fatalf("run %d: slot %d owned by %d; want %d (spans %v, down %v)", run, s, got, want[s], l.spans, down)
+			}
+		}
+		for j := 1; j < len(l.spans); j++ {
+			if a, b := l.spans[j-1], l.spans[j]; a.last+1 != b.first || a.owner == b.owner {
+				t.Fatalf("run %d: spans %v and %v neither adjoin nor differ", run, a, b)
+			}
+		}
 	}
 }
 

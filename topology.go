@@ -1,6 +1,7 @@
 package hybridlimit
 
 import (
+	"cmp"
 	"context"
 	"net"
 	"slices"
@@ -26,18 +27,75 @@ import (
 
 // layout is the Cluster's slot layout as the limiter last read it.
 type layout struct {
-	owner [remote.Slots]uint16 // index into addrs, +1; 0: nobody
+	// The slots in runs of one owner, in order: a handful, where a table
+	// of every slot costs a pass over 16,384 entries per answer read.
+	spans []span
 	addrs []string
 	nodes []string  // every node the answers named, replicas included
 	began time.Time // when its reading began
 }
 
+// span is the slots first to last, both included, and their owner: an
+// index into the layout's addrs, +1; 0: nobody.
+type span struct {
+	first, last int
+	owner       uint16
+}
+
 // at returns the master of slot, "" if the layout names none.
 func (l *layout) at(slot int) string {
-	if i := l.owner[slot]; i > 0 {
+	if i := l.ownerOf(slot); i > 0 {
 		return l.addrs[i-1]
 	}
 	return ""
+}
+
+// ownerOf returns the owner of slot, as a span holds it.
+func (l *layout) ownerOf(slot int) uint16 {
+	i, _ := slices.BinarySearchFunc(l.spans, slot, func(s span, slot int) int { return cmp.Compare(s.last, slot) })
+	if i < len(l.spans) && l.spans[i].first <= slot {
+		return l.spans[i].owner
+	}
+	return 0
+}
+
+// claim gives the slots first to last to owner i where they have no owner
+// yet, or one that is down while i is not (down[j-1]: owner j is failing
+// here).
+func (l *layout) claim(first, last int, i uint16, down []bool) {
+	first, last = max(first, 0), min(last, remote.Slots-1)
+	if first > last {
+		return
+	}
+	spans := l.spans
+	if spans == nil {
+		spans = []span{{0, remote.Slots - 1, 0}}
+	}
+	out := make([]span, 0, len(spans)+2)
+	put := func(s span) {
+		if s.first > s.last {
+			return
+		}
+		if n := len(out); n > 0 && out[n-1].owner == s.owner && out[n-1].last+1 == s.first {
+			out[n-1].last = s.last
+			return
+		}
+		out = append(out, s)
+	}
+	for _, s := range spans {
+		if s.last < first || s.first > last {
+			put(s)
+			continue
+		}
+		put(span{s.first, first - 1, s.owner})
+		o := s.owner
+		if o == 0 || down[o-1] && !down[i-1] {
+			o = i
+		}
+		put(span{max(s.first, first), min(s.last, last), o})
+		put(span{last + 1, s.last, s.owner})
+	}
+	l.spans = out
 }
 
 // layoutTimeout bounds one reading of the layout.
@@ -217,16 +275,11 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 				i = uint16(len(l.addrs))
 				index[a] = i
 			}
-			// Thousands of slots a range: no map lookup per slot.
-			for s := max(rg.Start, 0); s <= rg.End && s < remote.Slots; s++ {
-				if cur := l.owner[s]; cur == 0 || down[cur-1] && !down[i-1] {
-					l.owner[s] = i
-				}
-			}
+			l.claim(int(rg.Start), int(rg.End), i, down)
 			answered = true
 		}
 		if slot >= 0 {
-			if i := l.owner[slot]; i > 0 && !down[i-1] {
+			if i := l.ownerOf(slot); i > 0 && !down[i-1] {
 				break // what the caller asked for, the slot's master now
 			}
 		}
