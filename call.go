@@ -155,6 +155,9 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	if watch {
 		w = lim.watch(nd, req.Key, budget, cancel)
 	}
+	// A watched call is abandoned by cancelling rctx, and must return
+	// then, not at rctx's deadline.
+	req.Cancelable = w != nil
 	res, err := pipe.Do(rctx, req)
 	// A connection the client pooled before a reset fails the write at
 	// once when the client cannot see the reset beforehand (over TLS,

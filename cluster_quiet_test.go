@@ -17,11 +17,26 @@ import (
 	"github.com/hybridlimit/hybridlimit/remote"
 )
 
+// clientKinds runs f in a synctest bubble of its own for each kind of
+// client these tests give the Limiter: go-redis's default options, whose
+// reads wait out ReadTimeout whatever the caller's deadline, so that the
+// limiter sends each call from a goroutine of its own; and
+// ContextTimeoutEnabled, whose reads stop at the caller's deadline, so
+// that a call alone on an idle pipe runs on its caller's goroutine.
+func clientKinds(t *testing.T, f func(t *testing.T, ctxTimeout bool)) {
+	for _, ctxTimeout := range []bool{false, true} {
+		t.Run(map[bool]string{false: "default", true: "ContextTimeoutEnabled"}[ctxTimeout], func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) { f(t, ctxTimeout) })
+		})
+	}
+}
+
 // onSimCluster starts, in the calling synctest bubble, a simulated Cluster
 // of three shards whose nodes each sit behind a link of their own, and a
-// Limiter of cfg on a ClusterClient of default options; t.Cleanup closes
-// them, then waits out go-redis's dial back-offs and layout reloads.
-func onSimCluster(t *testing.T, cfg Config) (*simredis.Cluster, []*simnet.Link, *Limiter) {
+// Limiter of cfg on a ClusterClient of default options but for
+// ContextTimeoutEnabled, which is ctxTimeout; t.Cleanup closes them, then
+// waits out go-redis's dial back-offs and layout reloads.
+func onSimCluster(t *testing.T, cfg Config, ctxTimeout bool) (*simredis.Cluster, []*simnet.Link, *Limiter) {
 	t.Cleanup(func() { time.Sleep(30 * time.Second) }) // last
 	cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
 	t.Cleanup(cl.Close)
@@ -29,7 +44,7 @@ func onSimCluster(t *testing.T, cfg Config) (*simredis.Cluster, []*simnet.Link, 
 	for i := range links {
 		links[i] = simnet.NewLink()
 	}
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0)})
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0), ContextTimeoutEnabled: ctxTimeout})
 	t.Cleanup(func() { client.Close() })
 	// go-redis reads COMMAND once, under a mutex, from a random node:
 	// now, before that node can hang (see sim_cluster_test.go).
@@ -60,8 +75,8 @@ func hangMaster(t *testing.T, cl *simredis.Cluster, links []*simnet.Link, shard 
 // one and fall to the local share until Failures decisions have failed.
 // Simulated Cluster (internal/simredis) at virtual time.
 func TestQuietFailover(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		cl, links, lim := onSimCluster(t, Config{Limit: PerSecond(10), Timeout: 50 * time.Millisecond})
+	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
+		cl, links, lim := onSimCluster(t, Config{Limit: PerSecond(10), Timeout: 50 * time.Millisecond}, ctxTimeout)
 		ctx := context.Background()
 		const key = "k"
 		shard := cl.ShardOf(DefaultPrefix + key)
@@ -119,16 +134,16 @@ func TestQuietFailover(t *testing.T) {
 func TestUnseenFailover(t *testing.T) {
 	for _, spent := range []bool{false, true} {
 		t.Run(map[bool]string{false: "quiet", true: "spent"}[spent], func(t *testing.T) {
-			synctest.Test(t, func(t *testing.T) { unseenFailover(t, spent) })
+			clientKinds(t, func(t *testing.T, ctxTimeout bool) { unseenFailover(t, spent, ctxTimeout) })
 		})
 	}
 }
 
-func unseenFailover(t *testing.T, spent bool) {
+func unseenFailover(t *testing.T, spent, ctxTimeout bool) {
 	const timeout = 50 * time.Millisecond
 	// A token a second: the local grants are not refilled in the 0.1 s
 	// they take, nor is what they took from Redis's bucket.
-	cl, links, lim := onSimCluster(t, Config{Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
+	cl, links, lim := onSimCluster(t, Config{Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1}, ctxTimeout)
 	ctx := context.Background()
 	const key = "k"
 	shard := cl.ShardOf(DefaultPrefix + key)
@@ -208,9 +223,9 @@ func unseenFailover(t *testing.T, spent bool) {
 // context's error: Redis trouble (a slow new master) is never the caller's
 // error.
 func TestSettlingWaitBudget(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
 		const timeout = 50 * time.Millisecond
-		cl, links, lim := onSimCluster(t, Config{Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
+		cl, links, lim := onSimCluster(t, Config{Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1}, ctxTimeout)
 		ctx := context.Background()
 		const key = "k"
 		shard := cl.ShardOf(DefaultPrefix + key)
@@ -334,9 +349,9 @@ func TestNodeAddr(t *testing.T) {
 // locally owes nothing, and must not wait for those charges: it goes to
 // the new master at once, rather than waiting its budget and going local.
 func TestSettleWaitsOnlyForOwedKeys(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
 		const timeout = 50 * time.Millisecond
-		cl, links, lim := onSimCluster(t, Config{Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1})
+		cl, links, lim := onSimCluster(t, Config{Limit: Limit{Rate: 1, Burst: 10}, Timeout: timeout, Heartbeat: -1, Instances: 1}, ctxTimeout)
 		ctx := context.Background()
 		const key = "k"
 		shard := cl.ShardOf(DefaultPrefix + key)

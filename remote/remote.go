@@ -114,10 +114,12 @@ type call struct {
 	mode  mode   // the script's mode
 	extra int64  // lease mode: units to lease beyond cost, at most
 	once  string // charge mode: the key that makes the charge apply at most once
-	sent  atomic.Bool
-	res   Result
-	err   error
-	ready chan struct{}
+	// cancelable: never sent from the caller's goroutine (Request.Cancelable)
+	cancelable bool
+	sent       atomic.Bool
+	res        Result
+	err        error
+	ready      chan struct{}
 	// A call sent alone is its own batch, in flight as own; alone points
 	// to own then, so that its caller, giving up, lands it.
 	one   [1]*call
@@ -238,10 +240,19 @@ type Request struct {
 	Peek bool
 	// Reset stores a full bucket, whatever the key held; Units must be 0.
 	Reset bool
+	// Cancelable says that ctx may be cancelled before its deadline and
+	// that Do must return then. Without it, a call alone on an idle pipe
+	// whose client bounds its reads by the context's deadline
+	// (ContextTimeoutEnabled) is sent from the caller's goroutine, which
+	// saves a hand-off to another, and returns at the deadline rather than
+	// at a cancellation: go-redis sets a read's deadline when it begins
+	// and does not watch the context.
+	Cancelable bool
 }
 
 // Do runs the script for r. It returns when Redis answers or ctx ends,
-// whichever is first; after ctx ends the call may still reach Redis and
+// whichever is first (for a cancellation before ctx's deadline, see
+// Request.Cancelable); after ctx ends the call may still reach Redis and
 // take tokens there (the error then wraps ErrUnanswered), unless it was
 // still queued, in which case it is dropped unsent.
 //
@@ -264,6 +275,7 @@ func (p *Pipe) Do(ctx context.Context, r Request) (Result, error) {
 		m = modeLease
 	}
 	c := p.newCall(ctx, r.Key, r.Limit, r.Units, m)
+	c.cancelable = r.Cancelable
 	if m == modeCharge && r.Once != "" {
 		c.once = OnceKey(r.Key, r.Once) // "" for a key that cannot have one
 	}
@@ -319,7 +331,7 @@ func (p *Pipe) doCall(c *call) (res Result, answered bool, err error) {
 				return Result{}, true, ErrClosed
 			}
 			c.one[0] = c
-			if p.inline {
+			if p.inline && !c.cancelable {
 				p.send(c.one[:], &c.own)
 				<-c.ready
 				return c.res, true, c.err

@@ -3,18 +3,22 @@ package remote
 import (
 	"context"
 	"errors"
+	"io"
+	"net"
 	"runtime/metrics"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/redis/go-redis/v9"
 
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/internal/simnet"
 )
 
 // t0 is a fixed Redis TIME for the script tests.
@@ -500,6 +504,41 @@ func TestInline(t *testing.T) {
 	if allowed.Load() != 100 {
 		t.Errorf("allowed %d of 300 on a bucket of 100; want 100", allowed.Load())
 	}
+}
+
+// TestInlineCancelable: on a client that bounds reads by the context's
+// deadline, a lone call sent from its caller's goroutine returns at the
+// deadline, not at a cancellation before it (go-redis does not watch the
+// context); a Cancelable call, which the limiter abandons by cancelling
+// it, returns at the cancellation. The server reads and never answers.
+func TestInlineCancelable(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		link := simnet.NewLink()
+		c := redis.NewClient(&redis.Options{
+			Addr: "10.0.0.1:6379", ContextTimeoutEnabled: true,
+			Dialer: func(context.Context, string, string) (net.Conn, error) {
+				return link.Dial(func(c net.Conn) { go io.Copy(io.Discard, c) })
+			},
+		})
+		defer c.Close()
+		p := NewPipe(c, 1, nil)
+		defer p.Close()
+		lim := mustLimit(t, 10, 10)
+		for _, cancelable := range []bool{false, true} {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			time.AfterFunc(10*time.Millisecond, cancel)
+			start := time.Now()
+			_, err := p.Do(ctx, Request{Key: "k", Limit: lim, Units: lim.Units(1), Cancelable: cancelable})
+			took := time.Since(start)
+			want := time.Second
+			if cancelable {
+				want = 10 * time.Millisecond
+			}
+			if err == nil || took != want {
+				t.Errorf("Cancelable %v, cancelled at 10ms, deadline 1s: returned after %v (%v); want %v and an error", cancelable, took, err, want)
+			}
+		}
+	})
 }
 
 // TestLoneSenders: on a client that does not bound reads by the context,
