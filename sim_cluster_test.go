@@ -253,6 +253,7 @@ func (r *simRun) runCluster() {
 		client := redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs:          cl.Addrs(),
 			ReadBufferSize: simBuffer, WriteBufferSize: simBuffer, PipelineReadBufferSize: simBuffer, PipelineWriteBufferSize: simBuffer,
+			ContextTimeoutEnabled:    s.CtxTimeout,
 			MaintNotificationsConfig: simMaint(),
 			Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
 				c, err := cl.Dialer(sc.links[i], i)(ctx, network, addr)

@@ -107,8 +107,12 @@ type schedule struct {
 	// (go-redis checks only a connection that is itself a socket, and a
 	// tls.Conn is not), so a connection a reset broke fails the command
 	// that next uses it.
-	TLS    bool
-	Events []event
+	TLS bool
+	// CtxTimeout: the clients bound their reads by the caller's deadline
+	// (go-redis's ContextTimeoutEnabled), so that a call alone on an idle
+	// pipe runs on its caller's goroutine.
+	CtxTimeout bool
+	Events     []event
 	// Cluster, if not nil, runs the fleet against a Redis Cluster, with
 	// the Cluster's faults instead of Events (sim_cluster_test.go).
 	Cluster *clusterPlan
@@ -118,8 +122,8 @@ func (s schedule) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "seed %d: %d instances (%d slots, Config.Instances %d), %v, limit %v, Timeout %v, Probes %d,\n",
 		s.Seed, s.Instances, s.Slots, s.CfgInst, s.Policy, s.Limit, s.Timeout, s.Probes)
-	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, TLS %v, %v\n",
-		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.TLS, s.Duration)
+	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, TLS %v, ContextTimeoutEnabled %v, %v\n",
+		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.TLS, s.CtxTimeout, s.Duration)
 	for _, e := range s.Events {
 		fmt.Fprintf(&b, "  %v\n", e)
 	}
@@ -157,6 +161,9 @@ func (s schedule) features() []string {
 	if s.TLS {
 		f = append(f, "tls")
 	}
+	if s.CtxTimeout {
+		f = append(f, "ctxtimeout")
+	}
 	if s.Cluster != nil {
 		f = append(f, s.Cluster.features()...)
 	}
@@ -183,6 +190,7 @@ func genSchedule(seed uint64) schedule {
 	// Drawn from a stream of its own, so that adding it left every
 	// seed's other draws as they were.
 	s.TLS = rand.New(rand.NewPCG(seed, 0x7150)).IntN(3) == 0
+	s.CtxTimeout = rand.New(rand.NewPCG(seed, 0xc7c7)).IntN(3) == 0
 	switch x := r.IntN(20); {
 	case x < 12:
 		s.Instances = 1 + r.IntN(3)
@@ -687,6 +695,7 @@ func (r *simRun) run() {
 		client := redis.NewClient(&redis.Options{
 			Addr:           "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
 			ReadBufferSize: simBuffer, WriteBufferSize: simBuffer, PipelineReadBufferSize: simBuffer, PipelineWriteBufferSize: simBuffer,
+			ContextTimeoutEnabled:    s.CtxTimeout,
 			MaintNotificationsConfig: simMaint(),
 			Dialer: func(context.Context, string, string) (net.Conn, error) {
 				c, err := link.Dial(func(c net.Conn) { r.srv.Serve(c, i) })
