@@ -24,6 +24,11 @@ go vet ./...
 # other's healthy Redis look slow (the demo's first second went local).
 go test -race -count=1 -p 1 -timeout 15m "$@" ./...
 
+# The simulator's long run: 2,000 seeds, each a fleet under faults drawn
+# from it, at virtual time (the suite above runs the first 100). A failing
+# seed prints the command that replays it.
+go test -race -count=1 -run 'TestSim$' -sim.seeds 2000 -timeout 15m "$@" .
+
 # Modules nested in the repository (extras whose dependencies stay out of
 # the library's go.mod) are tested the same way.
 for mod in $(git ls-files '*/go.mod' 2>/dev/null || find . -mindepth 2 -name go.mod); do
