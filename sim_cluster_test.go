@@ -254,6 +254,7 @@ func (r *simRun) runCluster() {
 			Addrs:          cl.Addrs(),
 			ReadBufferSize: simBuffer, WriteBufferSize: simBuffer, PipelineReadBufferSize: simBuffer, PipelineWriteBufferSize: simBuffer,
 			ContextTimeoutEnabled:    s.CtxTimeout,
+			PoolSize:                 s.Pool,
 			MaintNotificationsConfig: simMaint(),
 			Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
 				c, err := cl.Dialer(sc.links[i], i)(ctx, network, addr)

@@ -112,7 +112,10 @@ type schedule struct {
 	// (go-redis's ContextTimeoutEnabled), so that a call alone on an idle
 	// pipe runs on its caller's goroutine.
 	CtxTimeout bool
-	Events     []event
+	// Pool, if not 0, is the clients' PoolSize instead of go-redis's ten
+	// per CPU: calls wait for a connection.
+	Pool   int
+	Events []event
 	// Cluster, if not nil, runs the fleet against a Redis Cluster, with
 	// the Cluster's faults instead of Events (sim_cluster_test.go).
 	Cluster *clusterPlan
@@ -122,8 +125,8 @@ func (s schedule) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "seed %d: %d instances (%d slots, Config.Instances %d), %v, limit %v, Timeout %v, Probes %d,\n",
 		s.Seed, s.Instances, s.Slots, s.CfgInst, s.Policy, s.Limit, s.Timeout, s.Probes)
-	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, TLS %v, ContextTimeoutEnabled %v, %v\n",
-		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.TLS, s.CtxTimeout, s.Duration)
+	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, TLS %v, ContextTimeoutEnabled %v, PoolSize %d, %v\n",
+		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.TLS, s.CtxTimeout, s.Pool, s.Duration)
 	for _, e := range s.Events {
 		fmt.Fprintf(&b, "  %v\n", e)
 	}
@@ -164,6 +167,9 @@ func (s schedule) features() []string {
 	if s.CtxTimeout {
 		f = append(f, "ctxtimeout")
 	}
+	if s.Pool > 0 {
+		f = append(f, "smallpool")
+	}
 	if s.Cluster != nil {
 		f = append(f, s.Cluster.features()...)
 	}
@@ -191,6 +197,9 @@ func genSchedule(seed uint64) schedule {
 	// seed's other draws as they were.
 	s.TLS = rand.New(rand.NewPCG(seed, 0x7150)).IntN(3) == 0
 	s.CtxTimeout = rand.New(rand.NewPCG(seed, 0xc7c7)).IntN(3) == 0
+	if p := rand.New(rand.NewPCG(seed, 0x9001)); p.IntN(5) == 0 {
+		s.Pool = 1 + p.IntN(3)
+	}
 	switch x := r.IntN(20); {
 	case x < 12:
 		s.Instances = 1 + r.IntN(3)
@@ -696,6 +705,7 @@ func (r *simRun) run() {
 			Addr:           "10.0.0.1:6379", // an IP: a hostname would be looked up, on the real network
 			ReadBufferSize: simBuffer, WriteBufferSize: simBuffer, PipelineReadBufferSize: simBuffer, PipelineWriteBufferSize: simBuffer,
 			ContextTimeoutEnabled:    s.CtxTimeout,
+			PoolSize:                 s.Pool,
 			MaintNotificationsConfig: simMaint(),
 			Dialer: func(context.Context, string, string) (net.Conn, error) {
 				c, err := link.Dial(func(c net.Conn) { r.srv.Serve(c, i) })
