@@ -59,19 +59,18 @@ func (l *layout) ownerOf(slot int) uint16 {
 	return 0
 }
 
-// claim gives the slots first to last to owner i where they have no owner
-// yet, or one that is down while i is not (down[j-1]: owner j is failing
-// here).
-func (l *layout) claim(first, last int, i uint16, down []bool) {
-	first, last = max(first, 0), min(last, remote.Slots-1)
-	if first > last {
-		return
-	}
+// claim gives the slots of each of ranges, one answer's (they do not
+// overlap), to the range's owner where they have no owner yet, or one that
+// is down while the range's is not (down[j-1]: owner j is failing here).
+// It sorts ranges, and costs one pass over the spans and the ranges: a
+// Cluster resharded slot by slot answers with thousands of ranges.
+func (l *layout) claim(ranges []span, down []bool) {
+	slices.SortFunc(ranges, func(a, b span) int { return cmp.Compare(a.first, b.first) })
 	spans := l.spans
 	if spans == nil {
 		spans = []span{{0, remote.Slots - 1, 0}}
 	}
-	out := make([]span, 0, len(spans)+2)
+	out := make([]span, 0, len(spans)+2*len(ranges))
 	put := func(s span) {
 		if s.first > s.last {
 			return
@@ -82,18 +81,29 @@ func (l *layout) claim(first, last int, i uint16, down []bool) {
 		}
 		out = append(out, s)
 	}
+	j := 0
 	for _, s := range spans {
-		if s.last < first || s.first > last {
-			put(s)
-			continue
+		for pos := s.first; pos <= s.last; {
+			for j < len(ranges) && ranges[j].last < pos {
+				j++
+			}
+			if j == len(ranges) || ranges[j].first > s.last {
+				put(span{pos, s.last, s.owner})
+				break
+			}
+			r := ranges[j]
+			if r.first > pos {
+				put(span{pos, r.first - 1, s.owner})
+				pos = r.first
+			}
+			end := min(r.last, s.last)
+			o := s.owner
+			if o == 0 || down[o-1] && !down[r.owner-1] {
+				o = r.owner
+			}
+			put(span{pos, end, o})
+			pos = end + 1
 		}
-		put(span{s.first, first - 1, s.owner})
-		o := s.owner
-		if o == 0 || down[o-1] && !down[i-1] {
-			o = i
-		}
-		put(span{max(s.first, first), min(s.last, last), o})
-		put(span{last + 1, s.last, s.owner})
 	}
 	l.spans = out
 }
@@ -258,6 +268,7 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 		if !failing[r.addr] {
 			waiting--
 		}
+		var ranges []span
 		for _, rg := range r.slots {
 			if len(rg.Nodes) == 0 {
 				continue
@@ -275,8 +286,13 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 				i = uint16(len(l.addrs))
 				index[a] = i
 			}
-			l.claim(int(rg.Start), int(rg.End), i, down)
+			if first, last := max(rg.Start, 0), min(rg.End, remote.Slots-1); first <= last {
+				ranges = append(ranges, span{first, last, i})
+			}
 			answered = true
+		}
+		if len(ranges) > 0 {
+			l.claim(ranges, down)
 		}
 		if slot >= 0 {
 			if i := l.ownerOf(slot); i > 0 && !down[i-1] {
