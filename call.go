@@ -168,7 +168,12 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	}
 	// The call was abandoned (an answer that came meanwhile is kept), or
 	// its node forgotten (its pipe closed) while it waited: the node lost
-	// the key's slot.
+	// the key's slot. A call running on its caller's goroutine (a client
+	// with ContextTimeoutEnabled) is not stopped by the pipe's Close: it
+	// waits for its answer or its budget, then goes to the failure policy.
+	// Few calls meet that: a node is forgotten once its breaker opened (no
+	// decision is sent to it then) or a watched call, never sent that way,
+	// found it gone.
 	abandoned := w != nil && w.moved()
 	if err != nil && (abandoned || errors.Is(err, remote.ErrClosed) && !lim.closed.Load()) {
 		return remote.Result{}, moved, breaker.Excluded

@@ -502,7 +502,10 @@ func (lim *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 // ctx ends before Redis answers (ctx's error: the caller gave up, and no
 // decision was made). Redis failures are not errors: the FailurePolicy
 // decides, and Decision.Mode says so. AllowN waits at most Config.Timeout
-// for Redis.
+// for Redis. On a client with ContextTimeoutEnabled, a cancellation of ctx
+// before its deadline (a client that hung up) is seen once Redis answers
+// or that wait ends, not at once: the decision's call runs on the caller's
+// goroutine, and go-redis stops its read at a deadline only.
 func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (d Decision, err error) {
 	return d, lim.allowN(ctx, key, n, 0, false, &d)
 }

@@ -7,7 +7,10 @@
 // one pipeline, so concurrent decisions share round trips.
 // The caller waits for its answer only until its context ends: a Redis that
 // hangs costs the caller its own deadline, never the client's socket
-// time-outs, whatever the client's options say.
+// time-outs, whatever the client's options say. (On a client with
+// ContextTimeoutEnabled a lone call runs on its caller's goroutine, where
+// a cancellation before the deadline does not stop go-redis's read: see
+// Request.Cancelable.)
 package remote
 
 import (
@@ -168,8 +171,10 @@ func (p *Pipe) release(c *call) {
 // A dispatcher goroutine takes the waiting calls as one batch whenever
 // fewer than inflight batches (DefaultInFlight if inflight < 1) are in
 // flight, and sends each batch from a goroutine of its own. A call alone on
-// an idle pipe goes to a sender goroutine, which then waits for the next
-// such call; at most one sender waits. A batch counts as in flight
+// an idle pipe is sent from its caller's goroutine if c bounds its reads by
+// the context's deadline (ContextTimeoutEnabled) and the call is not
+// Cancelable; otherwise it goes to a sender goroutine, which then waits for
+// the next such call; at most one sender waits. A batch counts as in flight
 // until it is answered or every caller in it has given up: a batch stuck on
 // a hung connection, which go-redis may wait on for its whole ReadTimeout,
 // does not hold back the next one. Close stops the dispatcher and the
@@ -242,13 +247,14 @@ type Request struct {
 	Peek bool
 	// Reset stores a full bucket, whatever the key held; Units must be 0.
 	Reset bool
-	// Cancelable says that ctx may be cancelled before its deadline and
-	// that Do must return then. Without it, a call alone on an idle pipe
-	// whose client bounds its reads by the context's deadline
-	// (ContextTimeoutEnabled) is sent from the caller's goroutine, which
-	// saves a hand-off to another, and returns at the deadline rather than
-	// at a cancellation: go-redis sets a read's deadline when it begins
-	// and does not watch the context.
+	// Cancelable says that ctx may be cancelled before its deadline, or
+	// the Pipe closed, and that Do must return then. Without it, a call
+	// alone on an idle pipe whose client bounds its reads by the context's
+	// deadline (ContextTimeoutEnabled) is sent from the caller's goroutine,
+	// which saves a hand-off to another, and once it is written returns at
+	// the deadline rather than at a cancellation or Close: go-redis sets a
+	// read's deadline when the read begins and does not watch the context
+	// (it does while the call waits for a connection).
 	Cancelable bool
 }
 
@@ -322,8 +328,8 @@ func (p *Pipe) do(c *call) (Result, error) {
 func (p *Pipe) doCall(c *call) (res Result, answered bool, err error) {
 	ctx := c.ctx
 	// Alone on an idle pipe, a call is sent at once: on the caller's own
-	// goroutine if the client bounds its reads by the caller's deadline,
-	// else from a goroutine of its own. Otherwise the dispatcher batches it
+	// goroutine if the client bounds its reads by the caller's deadline and
+	// the call is not Cancelable, else from a goroutine of its own. Otherwise the dispatcher batches it
 	// with the others waiting.
 	if len(p.calls) == 0 {
 		select {
