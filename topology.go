@@ -381,12 +381,15 @@ func (lim *Limiter) ownClient(addr string) *redis.Client {
 		StreamingCredentialsProvider: o.StreamingCredentialsProvider,
 		TLSConfig:                    o.TLSConfig,
 		DialTimeout:                  o.DialTimeout,
-		ReadTimeout:                  o.ReadTimeout,
-		WriteTimeout:                 o.WriteTimeout,
-		PoolSize:                     o.PoolSize,
-		DisableIdentity:              o.DisableIdentity,
-		ContextTimeoutEnabled:        true,
-		MaxRetries:                   -1,
+		// Its reads and writes stop at the context's deadline: a negative
+		// time-out (-2: no socket deadline at all) becomes go-redis's
+		// default, which the deadline of every call here undercuts.
+		ReadTimeout:           max(o.ReadTimeout, 0),
+		WriteTimeout:          max(o.WriteTimeout, 0),
+		PoolSize:              o.PoolSize,
+		DisableIdentity:       o.DisableIdentity,
+		ContextTimeoutEnabled: true,
+		MaxRetries:            -1,
 	})
 	if lim.own == nil {
 		lim.own = map[string]*redis.Client{}

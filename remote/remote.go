@@ -204,13 +204,18 @@ func NewPipe(c redis.UniversalClient, inflight int, n *Node) *Pipe {
 
 // boundsReads reports whether c stops reading a reply at the context's
 // deadline (ContextTimeoutEnabled), so that a caller can wait on it
-// directly without risking the client's own, longer, time-outs.
+// directly without risking the client's own, longer, time-outs. A client
+// whose ReadTimeout or WriteTimeout is -2 sets no socket deadline at all,
+// the context's neither (its options then hold a negative time-out), and
+// would hold such a caller for as long as Redis hangs.
 func boundsReads(c redis.UniversalClient) bool {
 	switch c := c.(type) {
 	case *redis.Client:
-		return c.Options().ContextTimeoutEnabled
+		o := c.Options()
+		return o.ContextTimeoutEnabled && o.ReadTimeout >= 0 && o.WriteTimeout >= 0
 	case *redis.ClusterClient:
-		return c.Options().ContextTimeoutEnabled
+		o := c.Options()
+		return o.ContextTimeoutEnabled && o.ReadTimeout >= 0 && o.WriteTimeout >= 0
 	}
 	return false
 }

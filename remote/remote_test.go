@@ -540,6 +540,50 @@ func TestInlineCancelable(t *testing.T) {
 	})
 }
 
+// TestInlineNeedsDeadlines: a client with ContextTimeoutEnabled whose
+// ReadTimeout or WriteTimeout is -2 sets no socket deadline, the context's
+// neither, so a lone call is not run on its caller's goroutine there: the
+// caller still leaves at its deadline when Redis never answers.
+func TestInlineNeedsDeadlines(t *testing.T) {
+	for _, o := range []redis.Options{{ReadTimeout: -2}, {WriteTimeout: -2}, {ReadTimeout: -1}} {
+		synctest.Test(t, func(t *testing.T) {
+			link := simnet.NewLink()
+			o.Addr, o.ContextTimeoutEnabled = "10.0.0.1:6379", true
+			o.Dialer = func(context.Context, string, string) (net.Conn, error) {
+				return link.Dial(func(c net.Conn) { go io.Copy(io.Discard, c) })
+			}
+			inline := o.ReadTimeout != -2 && o.WriteTimeout != -2
+			c := redis.NewClient(&o) // which sets o's defaults
+			defer c.Close()
+			p := NewPipe(c, 1, nil)
+			defer p.Close()
+			defer link.Reset() // first: frees a sender that reads with no deadline
+			if p.inline != inline {
+				t.Errorf("ReadTimeout %v, WriteTimeout %v: inline %v; want %v", o.ReadTimeout, o.WriteTimeout, p.inline, inline)
+			}
+			lim := mustLimit(t, 10, 10)
+			ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			defer cancel()
+			start := time.Now()
+			done := make(chan error, 1)
+			go func() {
+				_, err := p.Do(ctx, Request{Key: "k", Limit: lim, Units: lim.Units(1)})
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if took := time.Since(start); err == nil || took != 200*time.Millisecond {
+					t.Errorf("ReadTimeout %v, WriteTimeout %v: returned after %v (%v); want 200ms and an error", o.ReadTimeout, o.WriteTimeout, took, err)
+				}
+			case <-time.After(time.Minute):
+				t.Errorf("ReadTimeout %v, WriteTimeout %v: no return a minute after a deadline of 200ms", o.ReadTimeout, o.WriteTimeout)
+				link.Reset()
+				<-done
+			}
+		})
+	}
+}
+
 // TestLoneSenders: on a client that does not bound reads by the context,
 // lone calls one after another are sent by a sender goroutine that waits
 // for the next rather than by a goroutine started for each, and Close
