@@ -154,10 +154,11 @@ type decision struct {
 // rig is a set of limiter instances under the standard load, recording
 // every decision and every log record.
 type rig struct {
-	t     *testing.T
-	lims  []*Limiter
-	logs  []*logRecorder
-	start time.Time
+	t       *testing.T
+	lims    []*Limiter
+	logs    []*logRecorder
+	start   time.Time
+	timeout time.Duration // the instances' Config.Timeout
 
 	mu   sync.Mutex // protects decs
 	decs []decision
@@ -176,7 +177,7 @@ func newRig(t *testing.T, clients []redis.UniversalClient, cfg Config) *rig {
 	if cfg.Timeout == 0 {
 		cfg.Timeout = loadTimeout
 	}
-	r := &rig{t: t}
+	r := &rig{t: t, timeout: cfg.Timeout}
 	for _, c := range clients {
 		cfg := cfg
 		cfg.Redis = c
@@ -279,13 +280,20 @@ func (r *rig) checkLatency(max time.Duration) {
 // became remote for good (until until): the start of the first decision of
 // the last run of remote decisions, minus since (zero if none after since
 // was non-remote). ok is false for an instance whose last decision before
-// until was not remote.
+// until was not remote. A decision that went to the failure policy after
+// waiting its whole budget breaks no run: it met a slow answer on a closed
+// breaker (a stall of a busy machine), not a Redis still away, whose
+// decisions go to the policy at once; checkRecovery checks that no breaker
+// opened after the run began.
 func (r *rig) recovery(since, until time.Time) (took []time.Duration, ok []bool) {
 	took = make([]time.Duration, len(r.lims))
 	ok = make([]bool, len(r.lims))
 	firstGood := make([]time.Time, len(r.lims))
 	for _, d := range r.decisions() {
 		if d.start.Before(since) || !d.start.Before(until) {
+			continue
+		}
+		if d.err == nil && d.Mode != ModeRemote && d.end.Sub(d.start) >= r.timeout && !firstGood[d.inst].IsZero() {
 			continue
 		}
 		if d.err == nil && d.Mode == ModeRemote {
@@ -302,6 +310,31 @@ func (r *rig) recovery(since, until time.Time) (took []time.Duration, ok []bool)
 		took[i] = max(firstGood[i].Sub(since), 0)
 	}
 	return took, ok
+}
+
+// TestRecoveryOfSlowAnswers: a decision that went to the failure policy
+// after waiting its budget, while the breaker stayed closed (a stall of a
+// busy machine), does not set an instance's recovery back; one that went
+// there at once (an open breaker) does.
+func TestRecoveryOfSlowAnswers(t *testing.T) {
+	t0 := time.Now()
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	r := &rig{t: t, lims: make([]*Limiter, 2), timeout: 50 * time.Millisecond, start: t0}
+	for i, took := range []time.Duration{60 * time.Millisecond, 10 * time.Microsecond} {
+		r.decs = append(r.decs,
+			decision{inst: i, start: at(0), end: at(1), Decision: Decision{Mode: ModeLocal}},
+			decision{inst: i, start: at(100), end: at(101), Decision: Decision{Mode: ModeRemote}},
+			decision{inst: i, start: at(200), end: at(200).Add(took), Decision: Decision{Mode: ModeLocal}},
+			decision{inst: i, start: at(300), end: at(301), Decision: Decision{Mode: ModeRemote}},
+		)
+	}
+	took, ok := r.recovery(t0, at(1000))
+	if !ok[0] || took[0] != 100*time.Millisecond {
+		t.Errorf("after a decision that waited its budget: back %v (ok %v); want 100ms", took[0], ok[0])
+	}
+	if !ok[1] || took[1] != 300*time.Millisecond {
+		t.Errorf("after a decision that went local at once: back %v (ok %v); want 300ms", took[1], ok[1])
+	}
 }
 
 // checkRecovery fails the test unless every instance was back to remote
@@ -323,6 +356,11 @@ func (r *rig) checkRecovery(since time.Time, bound time.Duration, until ...time.
 			r.t.Errorf("instance %d: last decision not remote; want remote within %v of %s", i, bound, r.at(since))
 		} else if took[i] > bound {
 			r.t.Errorf("instance %d: back to remote %v after %s; want within %v", i, took[i], r.at(since), bound)
+		}
+		for _, o := range r.logs[i].opened() {
+			if back := since.Add(took[i]); o.After(back) && o.Before(end) {
+				r.t.Errorf("instance %d: breaker opened at %s, after it was back to remote at %s", i, r.at(o), r.at(back))
+			}
 		}
 	}
 }
