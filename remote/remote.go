@@ -86,11 +86,9 @@ type Pipe struct {
 	// one is: waking a goroutine is cheaper than starting one, which also
 	// has to grow its stack to go-redis's depth.
 	lone   chan *call
-	parked atomic.Int32 // sender goroutines parked on lone, or about to be
-	// started counts the sender goroutines started, for tests.
-	started atomic.Int64
-	slots   chan struct{} // one token per batch in flight that a caller still waits for
-	done    chan struct{}
+	parked atomic.Int32  // sender goroutines parked on lone, or about to be
+	slots  chan struct{} // one token per batch in flight that a caller still waits for
+	done   chan struct{}
 	// ctx is cancelled when Close begins: the background work of tend
 	// derives from it, so that Close does not wait out its time-outs.
 	ctx    context.Context
@@ -357,7 +355,6 @@ func (p *Pipe) doCall(c *call) (res Result, answered bool, err error) {
 				// call's count in p.wg keeps Close waiting, so the
 				// sender's own can be added.
 				p.wg.Add(1)
-				p.started.Add(1)
 				go p.sender(c)
 			}
 			return p.await(c)
