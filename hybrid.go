@@ -502,10 +502,11 @@ func (lim *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 // ctx ends before Redis answers (ctx's error: the caller gave up, and no
 // decision was made). Redis failures are not errors: the FailurePolicy
 // decides, and Decision.Mode says so. AllowN waits at most Config.Timeout
-// for Redis. On a client with ContextTimeoutEnabled, a cancellation of ctx
-// before its deadline (a client that hung up) is seen once Redis answers
-// or that wait ends, not at once: the decision's call runs on the caller's
-// goroutine, and go-redis stops its read at a deadline only.
+// for Redis. On a client with ContextTimeoutEnabled, a decision alone on
+// an idle node runs its call on the caller's goroutine, and go-redis stops
+// its read at a deadline only: a cancellation of ctx before its deadline
+// (a client that hung up) is then seen once Redis answers or that wait
+// ends, not at once.
 func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (d Decision, err error) {
 	return d, lim.allowN(ctx, key, n, 0, false, &d)
 }

@@ -26,9 +26,10 @@ go test -race -count=1 -p 1 -timeout 15m "$@" ./...
 
 # The simulator's long run: 2,000 seeds, each a fleet under faults drawn
 # from it, at virtual time (the suite above runs the first 100). A failing
-# seed prints the command that replays it. The extra arguments come first,
-# so that a -run of the caller's does not replace this one.
-go test -race -count=1 "$@" -run 'TestSim$' -sim.seeds 2000 -timeout 15m .
+# seed prints the command that replays it. The extra arguments go before
+# -run, so that a -run of the caller's does not replace this one, and after
+# the rest, so that a -timeout or -sim.seeds of the caller's does.
+go test -race -count=1 -sim.seeds 2000 -timeout 15m "$@" -run 'TestSim$' .
 
 # Modules nested in the repository (extras whose dependencies stay out of
 # the library's go.mod) are tested the same way.
