@@ -77,6 +77,7 @@ var Contenders = []Contender{
 	{Name: "hybridlimit-ctx", Remote: true, Open: openHybridCtx},
 	{Name: "hybridlimit-lease", Remote: true, Leases: true, Open: openHybridLease},
 	{Name: "script", Remote: true, Open: openScript},
+	{Name: "script-autopipe", Remote: true, Open: openScriptAutoPipe},
 	{Name: "redis_rate", Remote: true, Open: openRedisRate},
 	{Name: "ulule", Remote: true, Open: openUlule},
 	{Name: "xrate", Open: openXRate},
@@ -217,6 +218,49 @@ func (s *script) Bind(key string) Decide {
 }
 
 func (s *script) Close() error { return nil }
+
+// scriptAutoPipe is script sent through go-redis's AutoPipeliner (v9.23,
+// experimental), which coalesces concurrent commands into pipelines as
+// hybridlimit's Pipe does: its ceiling, beside the Pipe's. A command waits
+// there for its batch whatever its context says.
+type scriptAutoPipe struct {
+	script
+	ap *redis.AutoPipeliner
+}
+
+func openScriptAutoPipe(rdb redis.UniversalClient) (Instance, error) {
+	c, ok := rdb.(*redis.Client)
+	if !ok {
+		return nil, fmt.Errorf("bench: %T has no AutoPipeliner", rdb)
+	}
+	ap, err := c.AutoPipeline()
+	if err != nil {
+		return nil, err
+	}
+	in, err := openScript(rdb)
+	if err != nil {
+		ap.Close()
+		return nil, err
+	}
+	return &scriptAutoPipe{script: *in.(*script), ap: ap}, nil
+}
+
+func (s *scriptAutoPipe) Bind(key string) Decide {
+	keys := []string{"autopipe:" + key}
+	return func(ctx context.Context) (bool, error) {
+		v, err := s.s.Run(ctx, s.ap, keys, s.args...).Slice()
+		if err != nil {
+			return false, err
+		}
+		if len(v) != 3 {
+			return false, fmt.Errorf("bench: script reply %v", v)
+		}
+		allowed, _ := v[0].(int64)
+		return allowed == 1, nil
+	}
+}
+
+func (s *scriptAutoPipe) Close() error { return s.ap.Close() }
 
 // redisRate is github.com/go-redis/redis_rate/v10: GCRA, one EVALSHA of its
 // script per decision. It puts "rate:" before every key itself.
