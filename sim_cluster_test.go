@@ -220,7 +220,6 @@ func (r *simRun) planCluster() {
 // runCluster is run against a Cluster.
 func (r *simRun) runCluster() {
 	s, p := r.s, r.s.Cluster
-	r.t0 = time.Now()
 	r.plan()
 	r.planCluster()
 	cl := simredis.NewCluster(p.Shards, p.owner(s.Keys))
@@ -249,7 +248,7 @@ func (r *simRun) runCluster() {
 	clients := make([]*redis.ClusterClient, s.Slots)
 	var bg sync.WaitGroup
 	ctx, cancelAll := context.WithCancel(context.Background())
-	start := func(i int) {
+	dial := func(i int) {
 		client := redis.NewClusterClient(&redis.ClusterOptions{
 			Addrs:          cl.Addrs(),
 			ReadBufferSize: simBuffer, WriteBufferSize: simBuffer, PipelineReadBufferSize: simBuffer, PipelineWriteBufferSize: simBuffer,
@@ -257,6 +256,8 @@ func (r *simRun) runCluster() {
 			PoolSize:                 s.Pool,
 			MaintNotificationsConfig: simMaint(),
 			Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
+				defer r.dialing(i)()
+				time.Sleep(s.DialDelay)
 				c, err := cl.Dialer(sc.links[i], i)(ctx, network, addr)
 				if err != nil || !s.TLS {
 					return c, err
@@ -271,12 +272,20 @@ func (r *simRun) runCluster() {
 		// node hung, the goroutines waiting for the mutex would not be
 		// durably blocked, and the bubble's clock would stop for good
 		// (in real time they wait the client's read time-outs). So the
-		// table is read now, before any fault.
+		// table is read now, before any fault, and before the run's
+		// clock starts: a Ping that dials (DialDelay) takes virtual time,
+		// which would otherwise delay every event of the schedule past
+		// its At, while the checks cut the decisions at At.
 		_ = client.Ping(ctx).Err()
-		insts[i] = r.startInstance(ctx, i, client)
 	}
 	for i := range s.Instances {
-		start(i)
+		dial(i)
+	}
+	r.mu.Lock() // the clients' own goroutines may dial (dialing reads t0)
+	r.t0 = time.Now()
+	r.mu.Unlock()
+	for i := range s.Instances {
+		insts[i] = r.startInstance(ctx, i, clients[i])
 	}
 	later := func(d time.Duration, f func()) {
 		bg.Go(func() {
@@ -355,6 +364,14 @@ func (r *simRun) checkFailover(add func(string, string, ...any)) {
 		late := map[int]bool{}
 		for _, rec := range r.recs {
 			if rec.wait || rec.err != nil || rec.start < from || rec.mode == ModeRemote || late[rec.inst] {
+				continue
+			}
+			if r.dialed(rec) {
+				// It waited for a new connection whose dial takes time
+				// (DialDelay): a quiet instance's first call after the
+				// takeover needs two, the layout's node and the new
+				// master, and times out when its budget is shorter (see
+				// recovery).
 				continue
 			}
 			late[rec.inst] = true

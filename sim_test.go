@@ -114,8 +114,11 @@ type schedule struct {
 	CtxTimeout bool
 	// Pool, if not 0, is the clients' PoolSize instead of go-redis's ten
 	// per CPU: calls wait for a connection.
-	Pool   int
-	Events []event
+	Pool int
+	// DialDelay is added to every dial's latency: a TLS handshake, a
+	// managed Redis in another zone.
+	DialDelay time.Duration
+	Events    []event
 	// Cluster, if not nil, runs the fleet against a Redis Cluster, with
 	// the Cluster's faults instead of Events (sim_cluster_test.go).
 	Cluster *clusterPlan
@@ -125,8 +128,8 @@ func (s schedule) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "seed %d: %d instances (%d slots, Config.Instances %d), %v, limit %v, Timeout %v, Probes %d,\n",
 		s.Seed, s.Instances, s.Slots, s.CfgInst, s.Policy, s.Limit, s.Timeout, s.Probes)
-	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, TLS %v, ContextTimeoutEnabled %v, PoolSize %d, %v\n",
-		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.TLS, s.CtxTimeout, s.Pool, s.Duration)
+	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, TLS %v, ContextTimeoutEnabled %v, PoolSize %d, dials +%v, %v\n",
+		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.TLS, s.CtxTimeout, s.Pool, s.DialDelay, s.Duration)
 	for _, e := range s.Events {
 		fmt.Fprintf(&b, "  %v\n", e)
 	}
@@ -169,6 +172,9 @@ func (s schedule) features() []string {
 	}
 	if s.Pool > 0 {
 		f = append(f, "smallpool")
+	}
+	if s.DialDelay > 0 {
+		f = append(f, "slowdial")
 	}
 	if s.Cluster != nil {
 		f = append(f, s.Cluster.features()...)
@@ -232,6 +238,9 @@ func genSchedule(seed uint64) schedule {
 		s.Limit.Burst = max(s.Limit.Burst, 1)
 	}
 	s.Timeout = time.Duration(pick(20, 50, 50, 100)) * time.Millisecond
+	if d := rand.New(rand.NewPCG(seed, 0xd1a1)); d.IntN(4) == 0 {
+		s.DialDelay = []time.Duration{2 * time.Millisecond, 10 * time.Millisecond, s.Timeout / 2}[d.IntN(3)]
+	}
 	s.Probes = pick(1, 1, 2, 3)
 	s.Keys = pick(1, 1, 2, 3, 5)
 	s.Shape = []string{"even", "80/15/5", "sticky"}[r.IntN(3)]
@@ -374,6 +383,7 @@ type simRun struct {
 	killed  []interval   // kill intervals (all slots)
 	disturb [][]interval // cut, latency, flap: time-outs possible
 	alive   []interval   // per slot: from join to leave
+	dials   [][]interval // per slot: its dials, in a run whose dials take time (DialDelay)
 	limits  []struct {
 		at time.Duration
 		l  Limit
@@ -382,10 +392,32 @@ type simRun struct {
 
 func (r *simRun) since() time.Duration { return time.Since(r.t0) }
 
+// dialing records a dial of slot i, from now to when the function it
+// returns is called, in a run whose dials take time (DialDelay); before
+// the run's clock starts (a Cluster client's first Ping), nothing.
+func (r *simRun) dialing(i int) func() {
+	if r.s.DialDelay == 0 {
+		return func() {}
+	}
+	r.mu.Lock()
+	t0 := r.t0
+	r.mu.Unlock()
+	if t0.IsZero() {
+		return func() {}
+	}
+	from := time.Since(t0)
+	return func() {
+		r.mu.Lock()
+		r.dials[i] = append(r.dials[i], interval{from, time.Since(t0)})
+		r.mu.Unlock()
+	}
+}
+
 // plan fills the fault intervals from the schedule.
 func (r *simRun) plan() {
 	s := r.s
 	r.cut = make([][]interval, s.Slots)
+	r.dials = make([][]interval, s.Slots)
 	r.disturb = make([][]interval, s.Slots)
 	r.alive = make([]interval, s.Slots)
 	for i := range s.Slots {
@@ -708,6 +740,8 @@ func (r *simRun) run() {
 			PoolSize:                 s.Pool,
 			MaintNotificationsConfig: simMaint(),
 			Dialer: func(context.Context, string, string) (net.Conn, error) {
+				defer r.dialing(i)()
+				time.Sleep(s.DialDelay)
 				c, err := link.Dial(func(c net.Conn) { r.srv.Serve(c, i) })
 				if err != nil || !s.TLS {
 					return c, err
@@ -1152,8 +1186,13 @@ func (r *simRun) check(v map[string][]string) {
 	for i := range s.Slots {
 		// Each fault's end bounds it, a kill's a second later (go-redis
 		// dials once a second after failed dials) even when another
-		// fault ends after it, within that second.
-		var healed, bound time.Duration
+		// fault ends after it, within that second. A dial that takes
+		// time (DialDelay) is a fault too while it lasts, as a latency
+		// of Timeout/4 is: a decision that waits for a new connection
+		// pays the dial on top of the round trips (in a Cluster, maybe
+		// two: the layout's node and the key's new master), and one
+		// whose budget is shorter times out, which the breaker counts.
+		var healed, bound, dialed time.Duration
 		for _, c := range r.disturb[i] {
 			end := c.to
 			if _, killed := within(c.from, r.killed); killed {
@@ -1161,10 +1200,13 @@ func (r *simRun) check(v map[string][]string) {
 			}
 			healed, bound = max(healed, c.to), max(bound, end+2*reopen)
 		}
+		for _, d := range r.dials[i] {
+			dialed, bound = max(dialed, d.to), max(bound, d.to+2*reopen)
+		}
 		for _, rec := range recs {
 			if rec.inst == i && !rec.wait && rec.err == nil && rec.start > bound && rec.mode != ModeRemote {
-				add("recovery", "instance %d AllowN(%s) at %v decided %v; Redis was back at %v, bound %v",
-					i, rec.key, rec.start, rec.mode, healed, bound)
+				add("recovery", "instance %d AllowN(%s) at %v decided %v; Redis was back at %v, its last slow dial ended at %v, bound %v",
+					i, rec.key, rec.start, rec.mode, healed, dialed, bound)
 				break
 			}
 		}
@@ -1239,9 +1281,25 @@ func (r *simRun) admissions(key string) []admission {
 	return out
 }
 
+// dialed reports whether rec overlapped a dial of its instance that took
+// time (DialDelay).
+func (r *simRun) dialed(rec record) bool {
+	for _, d := range r.dials[rec.inst] {
+		if d.from <= rec.end && rec.start < d.to {
+			return true
+		}
+	}
+	return false
+}
+
 // mayBeLocal reports whether rec, a WaitN, overlapped a fault of its
 // instance or a time its breaker was not closed.
 func (r *simRun) mayBeLocal(rec record) bool {
+	// A slow dial too: a WaitN that waits for a new connection may
+	// time out on it (see recovery) and take from the local share.
+	if r.dialed(rec) {
+		return true
+	}
 	for _, c := range r.disturb[rec.inst] {
 		if c.from <= rec.end && rec.start < c.to {
 			return true
@@ -1485,7 +1543,7 @@ func (r *simRun) checkExact(add func(string, string, ...any)) {
 			case rec.wait && rec.allowed:
 				reqs = append(reqs, req{rec.end, true})
 			case !rec.wait:
-				reqs = append(reqs, req{rec.start, false})
+				reqs = append(reqs, req{rec.end, false})
 			}
 		}
 		sort.SliceStable(reqs, func(i, j int) bool { return reqs[i].at < reqs[j].at })
