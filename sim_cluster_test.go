@@ -294,9 +294,7 @@ func (r *simRun) runCluster() {
 		})
 	}
 	for _, e := range p.Events {
-		if d := e.At - r.since(); d > 0 {
-			time.Sleep(d)
-		}
+		r.until(e.At, e.Kind)
 		master := cl.Master(e.Shard)
 		switch e.Kind {
 		case "failover":

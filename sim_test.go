@@ -55,6 +55,7 @@ var invariants = []string{
 	"window-limit", "outage-floor", "redis-error", "short-deadline-failover", "latency",
 	"retry-after", "waitn-spin", "recovery", "exact-healthy", "stale-denial",
 	"remote-while-down", "reconcile-overcharge", "goroutine-leak", "failover",
+	"schedule",
 }
 
 // event is one step of a schedule, At after the start.
@@ -377,6 +378,7 @@ type simRun struct {
 	recs     []record
 	charges  []charge
 	spins    []string
+	late     []string              // events the simulator applied after their time: the checks assume it
 	heard    map[int]time.Duration // slot: when its first heartbeat ran in Redis
 	// fault intervals per slot, filled from the schedule before the run
 	cut     [][]interval // hang or kill: no answer can come
@@ -391,6 +393,20 @@ type simRun struct {
 }
 
 func (r *simRun) since() time.Duration { return time.Since(r.t0) }
+
+// until sleeps until the schedule's event of kind at at, and records the
+// event as late if the simulator reached it after that: the checks take
+// the schedule's times for when the faults were.
+func (r *simRun) until(at time.Duration, kind string) {
+	if d := at - r.since(); d > 0 {
+		time.Sleep(d)
+	}
+	if late := r.since() - at; late > 0 {
+		r.mu.Lock()
+		r.late = append(r.late, fmt.Sprintf("the %s of %v was applied %v late", kind, at, late))
+		r.mu.Unlock()
+	}
+}
 
 // dialing records a dial of slot i, from now to when the function it
 // returns is called, in a run whose dials take time (DialDelay); before
@@ -756,9 +772,7 @@ func (r *simRun) run() {
 		start(i)
 	}
 	for _, e := range s.Events {
-		if d := e.At - r.since(); d > 0 {
-			time.Sleep(d)
-		}
+		r.until(e.At, e.Kind)
 		targets := e.Who
 		if targets == nil {
 			for i := range s.Slots {
@@ -852,8 +866,13 @@ func (r *simRun) run() {
 			for _, i := range e.Who {
 				if in := insts[i]; in != nil && !in.closed.Load() {
 					in.closed.Store(true)
-					in.lim.Close()
-					in.stop()
+					// In the background: Close waits for the instance's
+					// calls, which a hang holds until their budgets end,
+					// and the schedule's next events must not wait.
+					later(0, func() {
+						in.lim.Close()
+						in.stop()
+					})
 				}
 			}
 		}
@@ -1109,6 +1128,9 @@ func (r *simRun) check(v map[string][]string) {
 	}
 	for _, msg := range r.spins {
 		add("waitn-spin", "%s", msg)
+	}
+	for _, msg := range r.late {
+		add("schedule", "%s", msg)
 	}
 	// Per call.
 	for _, rec := range recs {
