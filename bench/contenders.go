@@ -172,9 +172,11 @@ func (h hybrid) Close() error { return h.lim.Close() }
 // (EVALSHA, EVAL on NOSCRIPT) of hybridlimit's own script, with the key and
 // arguments that hybridlimit sends, prepared once per key.
 type script struct {
-	rdb  redis.UniversalClient
-	s    *redis.Script
-	args []any
+	rdb    redis.Scripter
+	prefix string       // of its keys
+	close  func() error // nil: nothing to close
+	s      *redis.Script
+	args   []any
 }
 
 // ScriptArgs returns the arguments hybridlimit sends after the key for a
@@ -195,7 +197,7 @@ func openScript(rdb redis.UniversalClient) (Instance, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &script{rdb: rdb, s: redis.NewScript(lua.TokenBucket)}
+	s := &script{rdb: rdb, prefix: "script:", s: redis.NewScript(lua.TokenBucket)}
 	for _, a := range args {
 		s.args = append(s.args, a)
 	}
@@ -203,7 +205,7 @@ func openScript(rdb redis.UniversalClient) (Instance, error) {
 }
 
 func (s *script) Bind(key string) Decide {
-	keys := []string{"script:" + key}
+	keys := []string{s.prefix + key}
 	return func(ctx context.Context) (bool, error) {
 		v, err := s.s.Run(ctx, s.rdb, keys, s.args...).Slice()
 		if err != nil {
@@ -217,17 +219,17 @@ func (s *script) Bind(key string) Decide {
 	}
 }
 
-func (s *script) Close() error { return nil }
-
-// scriptAutoPipe is script sent through go-redis's AutoPipeliner (v9.23,
-// experimental), which coalesces concurrent commands into pipelines as
-// hybridlimit's Pipe does: its ceiling, beside the Pipe's. A command waits
-// there for its batch whatever its context says.
-type scriptAutoPipe struct {
-	script
-	ap *redis.AutoPipeliner
+func (s *script) Close() error {
+	if s.close == nil {
+		return nil
+	}
+	return s.close()
 }
 
+// openScriptAutoPipe is script sent through go-redis's AutoPipeliner
+// (v9.23, experimental), which coalesces concurrent commands into
+// pipelines as hybridlimit's Pipe does: its ceiling, beside the Pipe's. A
+// command waits there for its batch whatever its context says.
 func openScriptAutoPipe(rdb redis.UniversalClient) (Instance, error) {
 	c, ok := rdb.(*redis.Client)
 	if !ok {
@@ -242,25 +244,10 @@ func openScriptAutoPipe(rdb redis.UniversalClient) (Instance, error) {
 		ap.Close()
 		return nil, err
 	}
-	return &scriptAutoPipe{script: *in.(*script), ap: ap}, nil
+	s := in.(*script)
+	s.rdb, s.prefix, s.close = ap, "autopipe:", ap.Close
+	return s, nil
 }
-
-func (s *scriptAutoPipe) Bind(key string) Decide {
-	keys := []string{"autopipe:" + key}
-	return func(ctx context.Context) (bool, error) {
-		v, err := s.s.Run(ctx, s.ap, keys, s.args...).Slice()
-		if err != nil {
-			return false, err
-		}
-		if len(v) != 3 {
-			return false, fmt.Errorf("bench: script reply %v", v)
-		}
-		allowed, _ := v[0].(int64)
-		return allowed == 1, nil
-	}
-}
-
-func (s *scriptAutoPipe) Close() error { return s.ap.Close() }
 
 // redisRate is github.com/go-redis/redis_rate/v10: GCRA, one EVALSHA of its
 // script per decision. It puts "rate:" before every key itself.
