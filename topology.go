@@ -60,10 +60,11 @@ func (l *layout) ownerOf(slot int) uint16 {
 }
 
 // claim gives the slots of each of ranges, one answer's (they do not
-// overlap; an empty one is dropped), to the range's owner where they have no owner yet, or one that
-// is down while the range's is not (down[j-1]: owner j is failing here).
-// It sorts ranges, and costs one pass over the spans and the ranges: a
-// Cluster resharded slot by slot answers with thousands of ranges.
+// overlap; an empty one is dropped), to the range's owner where they have
+// no owner yet, or one that is down while the range's is not (down[j-1]:
+// owner j is failing here). It sorts ranges, and costs one pass over the
+// spans and the ranges: a Cluster resharded slot by slot answers with
+// thousands of ranges.
 func (l *layout) claim(ranges []span, down []bool) {
 	ranges = slices.DeleteFunc(ranges, func(r span) bool { return r.first > r.last })
 	slices.SortFunc(ranges, func(a, b span) int { return cmp.Compare(a.first, b.first) })

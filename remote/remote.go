@@ -332,8 +332,8 @@ func (p *Pipe) doCall(c *call) (res Result, answered bool, err error) {
 	ctx := c.ctx
 	// Alone on an idle pipe, a call is sent at once: on the caller's own
 	// goroutine if the client bounds its reads by the caller's deadline and
-	// the call is not Cancelable, else from a goroutine of its own. Otherwise the dispatcher batches it
-	// with the others waiting.
+	// the call is not Cancelable, else from a goroutine of its own.
+	// Otherwise the dispatcher batches it with the others waiting.
 	if len(p.calls) == 0 {
 		select {
 		case p.slots <- struct{}{}:
