@@ -47,6 +47,13 @@ func (s *Server) fleet(at time.Time, report, read string, argv []string) any {
 		taken = 1
 		if sum == add {
 			v.expire = time.UnixMilli(int64((j + 5) * w))
+			if !v.expire.After(time.UnixMilli(at.UnixMilli())) {
+				// PEXPIREAT at or before the server's clock (a window
+				// read by a client clock ahead of it) deletes the key
+				// at once, where a key merely past its time is expired
+				// only once the clock is after it.
+				delete(s.data, report)
+			}
 		}
 		s.replicate(report)
 	}
