@@ -268,3 +268,26 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 		}
 	}
 }
+
+// TestFleetExpiryAtNow: a window's first report whose expiry, (j+5)×w, is
+// the server's clock to the millisecond (the window was read by a client
+// clock ahead of it) leaves no hash: Redis's PEXPIREAT deletes a key at
+// once when its time is not after the clock, where a key that has merely
+// reached its time is expired only once the clock is after it.
+func TestFleetExpiryAtNow(t *testing.T) {
+	m := New()
+	const w, j = 50, 100
+	at := time.UnixMilli((j + 5) * w) // the server's clock
+	client := time.UnixMilli(j * w)   // the client's, passed as ARGV[6]
+	argv := []string{"100", strconv.FormatInt(1<<20+1, 10), "90", "50", "0", strconv.FormatInt(client.UnixMicro(), 10)}
+	m.mu.Lock()
+	reply := m.fleet(at, "{f}:100", "{f}:90", argv)
+	v := m.get(at, "{f}:100")
+	m.mu.Unlock()
+	if vals, _ := reply.([]any); len(vals) != 4 || vals[1] != int64(1) {
+		t.Fatalf("reply %v; want the report taken", reply)
+	}
+	if v != nil {
+		t.Errorf("the window's hash is there, expiring at %v, the clock; want it deleted", v.expire)
+	}
+}
