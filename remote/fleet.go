@@ -192,6 +192,15 @@ func Ping(ctx context.Context, c redis.UniversalClient, n int, hold time.Duratio
 			n = min(n, o.MaxActiveConns)
 		}
 	}
+	if one != nil && n > 0 {
+		// First through the client itself: on the first connection
+		// go-redis records in the client's options whether the server
+		// takes its maintenance-notifications handshake, under the
+		// client's lock, which the connections of c.Conn() do not take.
+		// A decision dialing its first connection meanwhile takes that
+		// lock too; a PING through c.Conn() would be a data race with it.
+		_ = c.Process(ctx, noRetryCmd{redis.NewCmd(ctx, "ping")})
+	}
 	var wg, pinged sync.WaitGroup
 	pinged.Add(min(n, 1))
 	all := make(chan struct{})
