@@ -173,11 +173,12 @@ func Load(ctx context.Context, c redis.Cmdable) error {
 
 // Ping sends n PINGs through c at once, none retried, and returns once
 // all are answered or have failed; ctx bounds them as it bounds any
-// command of c. On a *redis.Client each PING goes out on a connection of
-// its own (c.Conn), and n is capped at the pool's size, so that Ping opens
-// up to n connections to c's node: an answered PING keeps its connection
-// until every PING is answered, or for hold at most, rather than hand it
-// to one still waiting for a connection. hold bounds how long a PING that
+// command of c. On a *redis.Client one PING goes first through c itself
+// (see below), then each of the n goes out on a connection of its own
+// (c.Conn), the first of them alone; n is capped at the pool's size, so
+// that Ping opens up to n connections to c's node: an answered PING keeps
+// its connection until every PING is answered, or for hold at most,
+// rather than hand it to one still waiting for a connection. hold bounds how long a PING that
 // cannot get a connection (the pool is busy: other Pings on the same
 // client, or the application's own commands) keeps others out of the pool.
 // go-redis keeps the connections of pipelines in a pool of their own,
