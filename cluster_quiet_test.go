@@ -430,3 +430,40 @@ func TestSettleWaitsOnlyForOwedKeys(t *testing.T) {
 		}
 	})
 }
+
+// TestLayoutReadsBounded: while a master hangs and its breaker stays
+// open, an instance reads the Cluster's layout every reloadEvery to learn
+// of a failover. Each reading must cost the Cluster a bounded number of
+// CLUSTER SLOTS, not one per node: a fleet of a thousand instances reads
+// ten times a second each, on the nodes that are about to take over.
+func TestLayoutReadsBounded(t *testing.T) {
+	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
+		cl, links, lim := onSimCluster(t, Config{Limit: PerSecond(100), Timeout: 50 * time.Millisecond}, ctxTimeout)
+		ctx := context.Background()
+		const key = "k"
+		shard := cl.ShardOf(DefaultPrefix + key)
+		if _, err := lim.Allow(ctx, key); err != nil {
+			t.Fatal(err)
+		}
+		hangMaster(t, cl, links, shard)
+		decide := func(d time.Duration) {
+			for end := time.Now().Add(d); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+				if _, err := lim.Allow(ctx, key); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		decide(time.Second) // the breaker opens
+		before := cl.SlotsReads()
+		const span = 3 * time.Second
+		decide(span)
+		got := cl.SlotsReads() - before
+		// Per reading: the limiter's own (layoutFanout nodes) and go-redis's
+		// (one node), every reloadEvery.
+		want := int64(span/reloadEvery) * (layoutFanout + 1)
+		t.Logf("%d CLUSTER SLOTS in %v of an open breaker (6 nodes; bound %d)", got, span, want)
+		if got > want {
+			t.Errorf("%d CLUSTER SLOTS in %v of an open breaker; want at most %d", got, span, want)
+		}
+	})
+}

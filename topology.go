@@ -187,13 +187,27 @@ func (lim *Limiter) enter() bool {
 	return true
 }
 
-// readLayout asks every node it knows of (the client's seeds, the nodes
-// and the last layout read) for CLUSTER SLOTS at once, and returns the
-// layout they give, nil if none answered before ctx ended. Nodes whose
-// breaker is not closed, and suspect, are not waited for, and their
-// answers give way to the others'. With a slot (not -1), it returns as
-// soon as an answer names a master of that slot that is neither: a node
-// lost for good would hold the reading until ctx ends.
+// layoutFanout is how many nodes a reading of the layout asks at once. A
+// reading asks one more for each answer that fails, is slow (layoutHedge)
+// or, for a slot, does not name a master that answers here, so a node that
+// hangs or has not heard of a failover yet costs it a round trip, not the
+// reading. Asking every node at once would cost the Cluster one CLUSTER
+// SLOTS per node for every reading of every instance, ten a second each
+// while a breaker is open, at the moment some of its nodes take over.
+const layoutFanout = 2
+
+// layoutHedge is the part of Timeout after which a node asked for the
+// layout that has not answered has another asked beside it.
+const layoutHedge = 4
+
+// readLayout asks the nodes it knows of (the client's seeds, the nodes and
+// the last layout read), layoutFanout at a time in random order, for
+// CLUSTER SLOTS, and returns the layout that the first layoutFanout
+// answers give, nil if none answered before ctx ended. Nodes whose breaker
+// is not closed, and suspect, are not asked. With a slot (not -1), it
+// returns at the first answer that names a master of that slot that is
+// neither, and goes on asking until one does or every node answered: a
+// node lost for good would hold the reading until ctx ends.
 func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *layout {
 	seen := map[string]bool{}
 	var addrs []string
@@ -216,9 +230,9 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 			add(a)
 		}
 	}
-	// A node that does not answer (the master that hangs) is waited for
-	// until ctx ends, unless it is failing here; the others answer in a
-	// round trip.
+	// A node failing here (the master that hangs) would hold its reading
+	// until ctx ends: it is not asked, and an answer naming it gives way
+	// to another's.
 	failing := map[string]bool{}
 	for a, nd := range *lim.nodes.Load() {
 		failing[a] = nd.cb.State() != breaker.StateClosed
@@ -226,50 +240,62 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 	if suspect != "" {
 		failing[suspect] = true
 	}
+	live := slices.DeleteFunc(addrs, func(a string) bool { return failing[a] })
+	lim.rand.Shuffle(len(live), func(i, j int) { live[i], live[j] = live[j], live[i] })
 	began := time.Now()
 	type reply struct {
 		addr  string
 		slots []redis.ClusterSlot
 	}
-	got := make(chan reply, len(addrs))
-	waiting := 0
-	for _, a := range addrs {
-		c := lim.ownClient(a)
-		if c == nil {
-			continue
-		}
-		if !failing[a] {
-			waiting++
-		}
-		// A node that hangs holds its goroutine until ctx's deadline
-		// (go-redis reads until the deadline, not the cancel), which the
-		// reading does not wait for: Close does.
-		lim.wg.Go(func() {
-			slots, err := c.ClusterSlots(ctx).Result()
-			if err != nil {
-				slots = nil
+	got := make(chan reply, len(live))
+	asked, pending := 0, 0
+	ask := func() {
+		for ; asked < len(live); asked++ {
+			a := live[asked]
+			c := lim.ownClient(a)
+			if c == nil {
+				continue
 			}
-			got <- reply{a, slots}
-		})
+			// A node that hangs holds its goroutine until ctx's deadline
+			// (go-redis reads until the deadline, not the cancel), which
+			// the reading does not wait for: Close does.
+			lim.wg.Go(func() {
+				slots, err := c.ClusterSlots(ctx).Result()
+				if err != nil {
+					slots = nil
+				}
+				got <- reply{a, slots}
+			})
+			asked++
+			pending++
+			return
+		}
 	}
+	for range layoutFanout {
+		ask()
+	}
+	hedge := time.NewTimer(lim.cfg.Timeout / layoutHedge)
+	defer hedge.Stop()
 	// Nodes can disagree for a moment after a failover, while the news
 	// spreads: for each slot the owner is taken from the first answer that
 	// names one that is not failing here.
 	l := &layout{began: began}
 	index := map[string]uint16{}
 	var down []bool // down[i-1]: l.addrs[i-1] is failing here
-	answered := false
-	for pending := len(addrs); pending > 0 && waiting > 0; pending-- {
+	answers := 0
+read:
+	for pending > 0 {
 		var r reply
 		select {
 		case r = <-got:
-		case <-ctx.Done():
-			pending = 0
+		case <-hedge.C:
+			ask()
+			hedge.Reset(lim.cfg.Timeout / layoutHedge)
 			continue
+		case <-ctx.Done():
+			break read
 		}
-		if !failing[r.addr] {
-			waiting--
-		}
+		pending--
 		var ranges []span
 		for _, rg := range r.slots {
 			if len(rg.Nodes) == 0 {
@@ -291,18 +317,25 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 			if first, last := max(rg.Start, 0), min(rg.End, remote.Slots-1); first <= last {
 				ranges = append(ranges, span{first, last, i})
 			}
-			answered = true
 		}
-		if len(ranges) > 0 {
-			l.claim(ranges, down)
+		if len(ranges) == 0 {
+			ask() // it failed: another in its place
+			continue
 		}
-		if slot >= 0 {
-			if i := l.ownerOf(slot); i > 0 && !down[i-1] {
-				break // what the caller asked for, the slot's master now
+		l.claim(ranges, down)
+		answers++
+		if slot < 0 {
+			if answers >= layoutFanout {
+				break read
 			}
+			continue
 		}
+		if i := l.ownerOf(slot); i > 0 && !down[i-1] {
+			break read // what the caller asked for, the slot's master now
+		}
+		ask() // it named no master of the slot that answers here
 	}
-	if !answered {
+	if answers == 0 {
 		return nil
 	}
 	return l

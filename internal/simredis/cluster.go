@@ -36,9 +36,10 @@ import (
 type Cluster struct {
 	Nodes []*Node // shard i's master is Nodes[i] at the start, its replica Nodes[shards+i]
 
-	layout atomic.Pointer[clusterLayout]
-	mu     sync.Mutex // protects shards, and replaces layout
-	shards []*shard
+	layout     atomic.Pointer[clusterLayout]
+	slotsReads atomic.Int64
+	mu         sync.Mutex // protects shards, and replaces layout
+	shards     []*shard
 }
 
 // Node is one node of a Cluster.
@@ -272,9 +273,14 @@ func (c *Cluster) moved(i int, key string) string {
 	return ""
 }
 
+// SlotsReads returns how many CLUSTER SLOTS the Cluster's nodes have
+// answered.
+func (c *Cluster) SlotsReads() int64 { return c.slotsReads.Load() }
+
 // command answers CLUSTER.
 func (c *Cluster) command(args []string) any {
 	if len(args) >= 2 && strings.EqualFold(args[1], "SLOTS") {
+		c.slotsReads.Add(1)
 		return c.layout.Load().slotsReply
 	}
 	return rerror("ERR simredis: unknown CLUSTER subcommand")
