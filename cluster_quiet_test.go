@@ -2,10 +2,13 @@ package hybridlimit
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -433,15 +436,37 @@ func TestSettleWaitsOnlyForOwedKeys(t *testing.T) {
 
 // TestLayoutReadsBounded: while a master hangs and its breaker stays
 // open, an instance reads the Cluster's layout every reloadEvery to learn
-// of a failover. Each reading must cost the Cluster a bounded number of
-// CLUSTER SLOTS, not one per node: a fleet of a thousand instances reads
-// ten times a second each, on the nodes that are about to take over.
+// of a failover. Each reading must cost the Cluster layoutFanout CLUSTER
+// SLOTS, not one per node: a fleet of a thousand instances reads ten times
+// a second each, on the nodes that are about to take over. And each must
+// ask the hung master's replica, the node that knows first when it takes
+// over.
 func TestLayoutReadsBounded(t *testing.T) {
 	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
-		cl, links, lim := onSimCluster(t, Config{Limit: PerSecond(100), Timeout: 50 * time.Millisecond}, ctxTimeout)
+		t.Cleanup(func() { time.Sleep(30 * time.Second) }) // last
+		cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
+		t.Cleanup(cl.Close)
+		links := make([]*simnet.Link, len(cl.Nodes))
+		for i := range links {
+			links[i] = simnet.NewLink()
+		}
+		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0), ContextTimeoutEnabled: ctxTimeout})
+		t.Cleanup(func() { client.Close() })
+		// go-redis's own readings, through its node clients, are counted
+		// apart from the limiter's.
+		var theirs atomic.Int64
+		client.OnNewNode(func(c *redis.Client) { c.AddHook(slotsCounter{&theirs}) })
+		_ = client.Ping(context.Background()).Err()
+		lim, err := New(Config{Redis: client, Limit: PerSecond(100), Timeout: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { lim.Close() })
+
 		ctx := context.Background()
 		const key = "k"
 		shard := cl.ShardOf(DefaultPrefix + key)
+		replica := len(cl.Nodes)/2 + shard
 		if _, err := lim.Allow(ctx, key); err != nil {
 			t.Fatal(err)
 		}
@@ -453,17 +478,91 @@ func TestLayoutReadsBounded(t *testing.T) {
 				}
 			}
 		}
+		reads := func() (all int64) {
+			for i := range cl.Nodes {
+				all += cl.SlotsReads(i)
+			}
+			return all
+		}
 		decide(time.Second) // the breaker opens
-		before := cl.SlotsReads()
+		all, mine, atReplica := reads(), theirs.Load(), cl.SlotsReads(replica)
 		const span = 3 * time.Second
 		decide(span)
-		got := cl.SlotsReads() - before
-		// Per reading: the limiter's own (layoutFanout nodes) and go-redis's
-		// (one node), every reloadEvery.
-		want := int64(span/reloadEvery) * (layoutFanout + 1)
-		t.Logf("%d CLUSTER SLOTS in %v of an open breaker (6 nodes; bound %d)", got, span, want)
-		if got > want {
-			t.Errorf("%d CLUSTER SLOTS in %v of an open breaker; want at most %d", got, span, want)
+		readings := int64(span / reloadEvery)
+		own := reads() - all - (theirs.Load() - mine)
+		t.Logf("the limiter's own CLUSTER SLOTS in %v of an open breaker: %d (6 nodes, %d readings); at the replica: %d; go-redis's: %d",
+			span, own, readings, cl.SlotsReads(replica)-atReplica, theirs.Load()-mine)
+		// One reading may be under way at either end of the span.
+		if want := (readings + 1) * layoutFanout; own > want {
+			t.Errorf("the limiter sent %d CLUSTER SLOTS in %v of an open breaker; want at most %d", own, span, want)
+		}
+		if got := cl.SlotsReads(replica) - atReplica; got < readings-1 {
+			t.Errorf("the hung master's replica was asked %d times in %d readings; want every reading", got, readings)
+		}
+	})
+}
+
+// slotsCounter counts the CLUSTER SLOTS a client sends.
+type slotsCounter struct{ n *atomic.Int64 }
+
+func (h slotsCounter) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h slotsCounter) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if args := cmd.Args(); len(args) >= 2 && strings.EqualFold(fmt.Sprint(args[0]), "cluster") && strings.EqualFold(fmt.Sprint(args[1]), "slots") {
+			h.n.Add(1)
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h slotsCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// TestLayoutReadingHedged: a node asked for the layout that does not
+// answer (a replica on a host that froze: no breaker of the limiter's
+// watches replicas) costs a reading a quarter of its time, when another
+// node is asked beside it, not the whole reading. The reading is one that
+// needs two answers (a master is failing here, its replica is asked
+// first), and the replica that hangs is that master's.
+func TestLayoutReadingHedged(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const timeout = 40 * time.Millisecond
+		cl, links, lim := onSimCluster(t, Config{Limit: PerSecond(100), Timeout: timeout}, false)
+		if _, err := lim.Allow(context.Background(), "k"); err != nil {
+			t.Fatal(err)
+		}
+		// A first reading names the replicas, which the client's seeds do
+		// not.
+		if l := lim.readLayout(context.Background(), "", -1); l != nil {
+			lim.keepLayout(l)
+		}
+		suspect := cl.Nodes[cl.Master(0)].Addr
+		hung := len(cl.Nodes)/2 + 0 // shard 0's replica
+		links[hung].Hang()
+		t.Cleanup(links[hung].Resume)
+		before := cl.SlotsReads(hung)
+		var slowest time.Duration
+		for range 40 {
+			ctx, cancel := context.WithTimeout(context.Background(), layoutTimeout)
+			start := time.Now()
+			l := lim.readLayout(ctx, suspect, -1)
+			slowest = max(slowest, time.Since(start))
+			cancel()
+			if l == nil {
+				t.Fatal("no layout read")
+			}
+			if l.at(0) != cl.Nodes[cl.Master(0)].Addr {
+				t.Fatalf("slot 0's master %q; want %q", l.at(0), cl.Nodes[cl.Master(0)].Addr)
+			}
+		}
+		if cl.SlotsReads(hung) != before {
+			t.Fatal("the hung replica answered")
+		}
+		t.Logf("slowest of 40 readings: %v", slowest)
+		if want := timeout/layoutHedge + 5*time.Millisecond; slowest > want {
+			t.Errorf("slowest of 40 readings with a replica hung: %v; want at most %v", slowest, want)
 		}
 	})
 }

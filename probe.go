@@ -49,8 +49,8 @@ func (lim *Limiter) prober() {
 // replica, and the keys should follow them back to Redis, at every
 // instance at about the same time (while some are back on a bucket that
 // refilled during the outage and others still spend their local shares,
-// the fleet admits more than the limit). A reading is one CLUSTER SLOTS
-// per node, only while a breaker is open.
+// the fleet admits more than the limit). A reading is a CLUSTER SLOTS to
+// each of a few nodes (layoutFanout), only while a breaker is open.
 const reloadEvery = 100 * time.Millisecond
 
 // probePipe returns the pipe nd's probes go through. A Cluster node's

@@ -20,7 +20,7 @@ import (
 // picks the master that hangs, waits for the client's ReadTimeout and its
 // retries (seconds, with default options); meanwhile it routes the keys to
 // the dead master, and the limiter keeps them local. So while a breaker is
-// open the limiter reads the layout itself, from every node at once through
+// open the limiter reads the layout itself, from a few nodes at once through
 // clients of its own that stop at their deadline, and routes a key whose
 // node is not closed to the master its own layout names, through a client
 // of its own, until go-redis agrees.
@@ -31,8 +31,10 @@ type layout struct {
 	// of every slot costs a pass over 16,384 entries per answer read.
 	spans []span
 	addrs []string
-	nodes []string  // every node the answers named, replicas included
-	began time.Time // when its reading began
+	// replicas[i-1]: the replicas the answers named for addrs[i-1]
+	replicas [][]string
+	nodes    []string  // every node the answers named, replicas included
+	began    time.Time // when its reading began
 }
 
 // span is the slots first to last, both included, and their owner: an
@@ -148,7 +150,7 @@ func (lim *Limiter) startReading() {
 }
 
 // failedLayoutEvery bounds the layout reads that failed calls start: a read
-// asks every node at once, and a latency spike that fails calls on every
+// asks several nodes at once, and a latency spike that fails calls on every
 // instance of a large fleet must not multiply into reads of a Cluster that
 // is slow already. A quiet instance needs one read per failover.
 const failedLayoutEvery = time.Second
@@ -196,15 +198,19 @@ func (lim *Limiter) enter() bool {
 // while a breaker is open, at the moment some of its nodes take over.
 const layoutFanout = 2
 
-// layoutHedge is the part of Timeout after which a node asked for the
-// layout that has not answered has another asked beside it.
+// layoutHedge is the part of the reading's time (Timeout, or what is left
+// of its context's, if less) after which, with no answer since the last
+// node was asked, another is asked beside it.
 const layoutHedge = 4
 
 // readLayout asks the nodes it knows of (the client's seeds, the nodes and
-// the last layout read), layoutFanout at a time in random order, for
-// CLUSTER SLOTS, and returns the layout that the first layoutFanout
-// answers give, nil if none answered before ctx ended. Nodes whose breaker
-// is not closed, and suspect, are not asked. With a slot (not -1), it
+// the last layout read), layoutFanout at a time, for CLUSTER SLOTS: first
+// the replicas of masters failing here (after a failover one of them is
+// the master, and the first to know it), then the others in random order.
+// It returns the layout that the first layoutFanout answers give (one is
+// enough if every master it names is not failing here), nil if none
+// answered before ctx ended. Nodes whose breaker is not closed, and
+// suspect, are not asked. With a slot (not -1), it
 // returns at the first answer that names a master of that slot that is
 // neither, and goes on asking until one does or every node answered: a
 // node lost for good would hold the reading until ctx ends.
@@ -242,14 +248,35 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 	}
 	live := slices.DeleteFunc(addrs, func(a string) bool { return failing[a] })
 	lim.rand.Shuffle(len(live), func(i, j int) { live[i], live[j] = live[j], live[i] })
+	if l := lim.layout.Load(); l != nil {
+		front := 0
+		for i, m := range l.addrs {
+			if !failing[m] {
+				continue
+			}
+			for _, r := range l.replicas[i] {
+				if j := slices.Index(live, r); j >= front {
+					live[front], live[j] = live[j], live[front]
+					front++
+				}
+			}
+		}
+	}
 	began := time.Now()
 	type reply struct {
 		addr  string
 		slots []redis.ClusterSlot
 	}
 	got := make(chan reply, len(live))
+	hedge := time.NewTimer(time.Hour)
+	defer hedge.Stop()
 	asked, pending := 0, 0
 	ask := func() {
+		wait := lim.cfg.Timeout
+		if dl, ok := ctx.Deadline(); ok {
+			wait = min(wait, time.Until(dl))
+		}
+		hedge.Reset(max(wait/layoutHedge, time.Millisecond))
 		for ; asked < len(live); asked++ {
 			a := live[asked]
 			c := lim.ownClient(a)
@@ -274,8 +301,6 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 	for range layoutFanout {
 		ask()
 	}
-	hedge := time.NewTimer(lim.cfg.Timeout / layoutHedge)
-	defer hedge.Stop()
 	// Nodes can disagree for a moment after a failover, while the news
 	// spreads: for each slot the owner is taken from the first answer that
 	// names one that is not failing here.
@@ -290,7 +315,6 @@ read:
 		case r = <-got:
 		case <-hedge.C:
 			ask()
-			hedge.Reset(lim.cfg.Timeout / layoutHedge)
 			continue
 		case <-ctx.Done():
 			break read
@@ -310,9 +334,15 @@ read:
 			i, ok := index[a]
 			if !ok {
 				l.addrs = append(l.addrs, a)
+				l.replicas = append(l.replicas, nil)
 				down = append(down, failing[a])
 				i = uint16(len(l.addrs))
 				index[a] = i
+			}
+			for _, n := range rg.Nodes[1:] {
+				if rep := nodeAddr(n.Addr, r.addr); !slices.Contains(l.replicas[i-1], rep) {
+					l.replicas[i-1] = append(l.replicas[i-1], rep)
+				}
 			}
 			if first, last := max(rg.Start, 0), min(rg.End, remote.Slots-1); first <= last {
 				ranges = append(ranges, span{first, last, i})
@@ -325,8 +355,8 @@ read:
 		l.claim(ranges, down)
 		answers++
 		if slot < 0 {
-			if answers >= layoutFanout {
-				break read
+			if answers >= layoutFanout || !slices.ContainsFunc(l.spans, func(s span) bool { return s.owner > 0 && down[s.owner-1] }) {
+				break read // enough answers, or every slot's master answers here
 			}
 			continue
 		}

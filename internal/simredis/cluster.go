@@ -37,8 +37,8 @@ type Cluster struct {
 	Nodes []*Node // shard i's master is Nodes[i] at the start, its replica Nodes[shards+i]
 
 	layout     atomic.Pointer[clusterLayout]
-	slotsReads atomic.Int64
-	mu         sync.Mutex // protects shards, and replaces layout
+	slotsReads []atomic.Int64 // of each node
+	mu         sync.Mutex     // protects shards, and replaces layout
 	shards     []*shard
 }
 
@@ -81,7 +81,7 @@ var ErrNoReplica = fmt.Errorf("simredis: the shard has no replica left to take o
 // listens on 10.0.1.(i+1):6379, its replica on 10.0.2.(i+1):6379: IPs,
 // so that go-redis looks nothing up.
 func NewCluster(shards int, owner func(slot int) int) *Cluster {
-	c := &Cluster{}
+	c := &Cluster{slotsReads: make([]atomic.Int64, 2*shards)}
 	l := &clusterLayout{}
 	for i := range 2 * shards {
 		host := fmt.Sprintf("10.0.%d.%d", 1+i/shards, 1+i%shards)
@@ -89,7 +89,7 @@ func NewCluster(shards int, owner func(slot int) int) *Cluster {
 		c.Nodes = append(c.Nodes, n)
 		idx := i
 		n.moved = func(key string) string { return c.moved(idx, key) }
-		n.clusterCmd = func(args []string) any { return c.command(args) }
+		n.clusterCmd = func(args []string) any { return c.command(idx, args) }
 		n.wrote = func(key string, v *value) { c.wrote(idx, key, v) }
 	}
 	for i := range shards {
@@ -273,14 +273,13 @@ func (c *Cluster) moved(i int, key string) string {
 	return ""
 }
 
-// SlotsReads returns how many CLUSTER SLOTS the Cluster's nodes have
-// answered.
-func (c *Cluster) SlotsReads() int64 { return c.slotsReads.Load() }
+// SlotsReads returns how many CLUSTER SLOTS node i has answered.
+func (c *Cluster) SlotsReads(i int) int64 { return c.slotsReads[i].Load() }
 
-// command answers CLUSTER.
-func (c *Cluster) command(args []string) any {
+// command answers CLUSTER for node i.
+func (c *Cluster) command(i int, args []string) any {
 	if len(args) >= 2 && strings.EqualFold(args[1], "SLOTS") {
-		c.slotsReads.Add(1)
+		c.slotsReads[i].Add(1)
 		return c.layout.Load().slotsReply
 	}
 	return rerror("ERR simredis: unknown CLUSTER subcommand")
