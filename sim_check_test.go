@@ -109,3 +109,55 @@ func TestSimBrokenPooledConnsOverTLS(t *testing.T) {
 		}
 	}
 }
+
+// TestSimStaleDenialAllowances: a cached denial cannot know what gave the
+// bucket tokens after the instance last heard from Redis: a refund (seed
+// 10934: a WaitN giving back a reservation its deadline could not wait
+// for, in a run without refunds) or Redis's clock jumping forward (seed
+// 7742: a clockback of 2.255 s replacing one of 2.842 s refilled 587 ms
+// at once). Either is allowed for cachedFor after it, as a kill is; a
+// denial Redis itself gave at that instant, or one a second later, is
+// still held to the bucket.
+func TestSimStaleDenialAllowances(t *testing.T) {
+	l := PerSecond(10)
+	run := func(events []event, refundAt time.Duration, rec record) []string {
+		r := &simRun{s: schedule{Instances: 1, Slots: 1, Keys: 1, Limit: l, Timeout: 50 * time.Millisecond,
+			Duration: 4 * time.Second, Events: events}}
+		r.plan()
+		r.answered = map[answeredKey][]time.Duration{}
+		r.t0 = time.Now().Add(-refundAt) // r.since() is the refund's time
+		if refundAt > 0 {
+			r.scriptRan(0, DefaultPrefix+"k0", []string{"1", "100000", "1000000", "-100000"}, []any{int64(1), int64(200000), int64(0)})
+		}
+		rec.inst, rec.key, rec.n, rec.mode, rec.staleDeny = 0, "k0", 1, ModeRemote, true
+		rec.end = rec.start
+		r.recs = []record{rec}
+		v := map[string][]string{}
+		r.check(v)
+		return v["stale-denial"]
+	}
+	back := []event{
+		{At: 379 * time.Millisecond, Kind: "clockback", For: 2842 * time.Millisecond},
+		{At: 2742 * time.Millisecond, Kind: "clockback", For: 2255 * time.Millisecond},
+	}
+	for _, c := range []struct {
+		name     string
+		events   []event
+		refundAt time.Duration
+		rec      record
+		want     int
+	}{
+		{"cached, 27 ms after a forward jump", back, 0, record{start: 2769 * time.Millisecond, cached: true}, 0},
+		{"cached, after a jump back only", back[:1], 0, record{start: 2769 * time.Millisecond, cached: true}, 1},
+		{"cached, a second after a forward jump", back, 0, record{start: 3742 * time.Millisecond, cached: true}, 1},
+		{"Redis's own, after a forward jump", back, 0, record{start: 2769 * time.Millisecond}, 1},
+		{"cached, 10 ms after a refund", nil, 3586 * time.Millisecond, record{start: 3596 * time.Millisecond, cached: true}, 0},
+		{"cached, before a refund", nil, 3586 * time.Millisecond, record{start: 3576 * time.Millisecond, cached: true}, 1},
+		{"Redis's own, after a refund", nil, 3586 * time.Millisecond, record{start: 3596 * time.Millisecond}, 1},
+		{"cached, no refund nor jump", nil, 0, record{start: 3596 * time.Millisecond, cached: true}, 1},
+	} {
+		if got := run(c.events, c.refundAt, c.rec); len(got) != c.want {
+			t.Errorf("%s: stale-denial %v; want %d", c.name, got, c.want)
+		}
+	}
+}

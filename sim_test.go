@@ -372,8 +372,9 @@ type simRun struct {
 	srv      *simredis.Server
 	cluster  *simCluster // a Cluster run's (sim_cluster_test.go); nil otherwise
 	links    []*simnet.Link
-	mu       sync.Mutex                      // protects recs, charges, spins, heard, answered
+	mu       sync.Mutex                      // protects recs, charges, spins, heard, answered, refunds
 	answered map[answeredKey][]time.Duration // when the server ran each slot's script calls, by key
+	refunds  map[string][]time.Duration      // when the server ran a refund, by key (WaitN's give-backs too)
 	breakers []breakerChange
 	recs     []record
 	charges  []charge
@@ -383,6 +384,10 @@ type simRun struct {
 	// fault intervals per slot, filled from the schedule before the run
 	cut     [][]interval // hang or kill: no answer can come
 	killed  []interval   // kill intervals (all slots)
+	// ahead: when Redis's clock jumped forward, a clockback replacing a
+	// longer one (a failover back toward the right time); the bucket
+	// refills the jump at once.
+	ahead []time.Duration
 	disturb [][]interval // cut, latency, flap: time-outs possible
 	alive   []interval   // per slot: from join to leave
 	dials   [][]interval // per slot: its dials, in a run whose dials take time (DialDelay)
@@ -446,6 +451,7 @@ func (r *simRun) plan() {
 		at time.Duration
 		l  Limit
 	}{0, s.Limit})
+	var skew time.Duration // the server's clock, as the run sets it
 	for _, e := range s.Events {
 		targets := e.Who
 		if targets == nil {
@@ -492,6 +498,13 @@ func (r *simRun) plan() {
 				at time.Duration
 				l  Limit
 			}{e.At, e.L})
+		case "clockback":
+			// One jump; a later one replaces it: a shorter one moves
+			// the clock forward.
+			if -e.For > skew {
+				r.ahead = append(r.ahead, e.At)
+			}
+			skew = -e.For
 		}
 	}
 }
@@ -679,6 +692,19 @@ func (r *simRun) scriptRan(tag int, key string, argv []string, reply any) {
 	r.mu.Unlock()
 	if again, _ := reply.([]any); len(again) > 0 && again[0] == int64(4) {
 		return // a charge applied before: nothing taken
+	}
+	if len(argv) <= 4 || argv[4] == "" {
+		// A refund (a negative cost), by Refund or by a WaitN giving
+		// back its reservation.
+		var units int64
+		if fmt.Sscan(argv[3], &units); units < 0 {
+			r.mu.Lock()
+			if r.refunds == nil {
+				r.refunds = map[string][]time.Duration{}
+			}
+			r.refunds[k.key] = append(r.refunds[k.key], r.since())
+			r.mu.Unlock()
+		}
 	}
 	if len(argv) > 4 && argv[4] == "charge" {
 		var units, p int64
@@ -1180,6 +1206,21 @@ func (r *simRun) check(v map[string][]string) {
 		lost := false
 		for _, k := range r.killed {
 			lost = lost || rec.cached && k.from <= rec.start && rec.start-k.from < cachedFor
+		}
+		// Nor can it know of what gave the bucket tokens since it last
+		// heard from Redis: a refund (a WaitN giving back its
+		// reservation is one, in runs without refunds too), or Redis's
+		// clock jumping forward, which refills the jump at once (the
+		// design trusts Redis's clock). What Redis said less than
+		// cachedFor ago may predate either.
+		after := func(at time.Duration) bool {
+			return rec.cached && at <= rec.start && rec.start-at < cachedFor
+		}
+		for _, at := range r.ahead {
+			lost = lost || after(at)
+		}
+		for _, at := range r.refunds[rec.key] {
+			lost = lost || after(at)
 		}
 		if rec.staleDeny && !lost {
 			add("stale-denial", "instance %d AllowN(%s, %d) at %v: remote denial while Redis's bucket held %d tokens or more",
