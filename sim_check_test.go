@@ -161,3 +161,41 @@ func TestSimStaleDenialAllowances(t *testing.T) {
 		}
 	}
 }
+
+// TestSimWindowsTakeoverReservations: seed 11683, a Cluster failover
+// (hang at 1.433 s, the replica, its clock 587 ms ahead, takes over at
+// 1.881 s) under a limit of 2/3 a second, burst 1. A WaitN reserved a
+// token on the old master at 1.001 s and returned when the refill paid
+// it, at 3 s; the new master, refilling early by its clock, granted the
+// next reservation at 3.913 s. The window [3 s, 4 s) holds admissions from
+// both sides of the takeover, the old master's reserved before it, and so
+// the data loss's Burst (docs/design.md): 2 ≤ 1.67 + 1. A window whose
+// admissions were all granted after the takeover gets no such allowance.
+func TestSimWindowsTakeoverReservations(t *testing.T) {
+	l := Limit{Rate: 2.0 / 3, Burst: 1}
+	run := func(recs ...record) []string {
+		r := &simRun{s: schedule{Slots: 1, CfgInst: 1, Keys: 1, Duration: 7 * time.Second, Limit: l}}
+		r.limits = append(r.limits, struct {
+			at time.Duration
+			l  Limit
+		}{0, l})
+		r.alive = []interval{{0, 7 * time.Second}}
+		r.disturb = make([][]interval, 1)
+		r.dials = make([][]interval, 1)
+		r.killed = []interval{{1433 * time.Millisecond, 1881 * time.Millisecond}}
+		r.recs = recs
+		var got []string
+		r.checkWindows(func(name, format string, args ...any) { got = append(got, name) })
+		return got
+	}
+	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
+	second := record{key: "k0", n: 1, allowed: true, wait: true, start: ms(3001), end: ms(3913)}
+	reservedBefore := record{key: "k0", n: 1, allowed: true, wait: true, start: ms(1001), end: ms(3000)}
+	if got := run(reservedBefore, second); len(got) != 0 {
+		t.Errorf("a WaitN reserved before the takeover, admitted 1.1 s after it, and one granted by the new master: %v; want none", got)
+	}
+	grantedAfter := record{key: "k0", n: 1, allowed: true, mode: ModeRemote, start: ms(3000), end: ms(3000)}
+	if got := run(grantedAfter, second); len(got) != 1 || got[0] != "window-limit" {
+		t.Errorf("2 admitted in 0.913 s, both granted 1.1 s or more after the takeover: %v; want one window-limit", got)
+	}
+}
