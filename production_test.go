@@ -2,6 +2,7 @@ package hybridlimit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -502,4 +503,55 @@ func TestDecisionsRunLaterHooks(t *testing.T) {
 	if got := hook.takes.Load(); got != n {
 		t.Errorf("the hook added after New saw %d of %d decisions; want all", got, n)
 	}
+}
+
+// TestWaitNReservationPastDeadline: a WaitN's reservation is sized to its
+// deadline when the call is sent, and the round trip spends some of what
+// is left. A waiter whose reserved tokens fall due after its deadline must
+// give them back and return at once, as its doc promises, not hold them
+// until the deadline: the waiters queued behind it would wait for them.
+func TestWaitNReservationPastDeadline(t *testing.T) {
+	withRedis(t, func(t *testing.T, r *testRedis) {
+		if r.sim == nil {
+			t.Skip("needs the simulated link's latency")
+		}
+		lim, err := New(Config{Redis: r.client(t), Limit: Limit{Rate: 10, Burst: 1}, Timeout: 200 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { lim.Close() })
+		ctx := context.Background()
+		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
+			t.Fatalf("first token: %+v, %v", d, err)
+		}
+		time.Sleep(time.Second) // connections open; the bucket refills
+		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
+			t.Fatalf("the refilled token: %+v, %v", d, err)
+		}
+		// Replies 20 ms late: sent with 100 ms left (a token's refill),
+		// the reservation owes a token (100 ms), and its answer comes
+		// back with 80 ms left.
+		r.link.SetLatency(20 * time.Millisecond)
+		wctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		err = lim.Wait(wctx, "k")
+		took := time.Since(start)
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("Wait = %v; want context.DeadlineExceeded", err)
+		}
+		if took > 50*time.Millisecond {
+			t.Errorf("Wait returned after %v, at its deadline; want after the reservation's answer and the give-back's, about 40 ms", took)
+		}
+		time.Sleep(60 * time.Millisecond) // the give-back lands
+		r.link.SetLatency(0)
+		level, _, p, ok := r.sim.Bucket(DefaultPrefix + "k")
+		if !ok {
+			t.Fatal("no bucket")
+		}
+		t.Logf("Wait returned after %v: %v; the bucket holds %.2f tokens", took, err, float64(level)/float64(p))
+		if float64(level)/float64(p) < 0 {
+			t.Errorf("the bucket holds %.2f tokens after the give-back; want the reservation returned", float64(level)/float64(p))
+		}
+	})
 }

@@ -24,9 +24,11 @@ func (lim *Limiter) Wait(ctx context.Context, key string) error {
 // deeper than that, or Redis is away and the local share decides, it
 // sleeps for the RetryAfter of the denial, plus up to a tenth more at
 // random, and tries again; it never spins. If ctx ends while it waits for a
-// reservation, the tokens are given back (a best-effort Refund). It returns
-// at once with an error wrapping context.DeadlineExceeded when its
-// deadline cannot be met, ctx's error if ctx ends first, and the errors of
+// reservation, or the reservation falls due after ctx's deadline (the
+// round trip spent part of what it was sized to), the tokens are given
+// back (a best-effort Refund, one more round trip). It returns at once
+// with an error wrapping context.DeadlineExceeded when its deadline cannot
+// be met, ctx's error if ctx ends first, and the errors of
 // AllowN; with Config.Shadow it never waits.
 func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 	var t *time.Timer
@@ -61,11 +63,23 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 			if d.wait <= 0 {
 				return nil
 			}
-			if err := sleep(d.wait); err != nil {
-				// Not spent: give the reservation back.
+			giveBack := func() {
 				rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), lim.cfg.Timeout)
 				_ = lim.Refund(rctx, key, d, n)
 				cancel()
+			}
+			// The reservation was sized to ctx's deadline when it was
+			// sent; the round trip may have spent what it left. A waiter
+			// that cannot live to spend it gives it back now, not at its
+			// deadline: until then the waiters queued behind it would
+			// wait for it too.
+			if dl, ok := ctx.Deadline(); ok && time.Until(dl) < d.wait {
+				giveBack()
+				return fmt.Errorf("hybridlimit: WaitN(n=%d) reserved tokens due in %v, past the context's deadline: %w",
+					n, d.wait, context.DeadlineExceeded)
+			}
+			if err := sleep(d.wait); err != nil {
+				giveBack() // not spent
 				return err
 			}
 			return nil
