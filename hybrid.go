@@ -794,12 +794,13 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, atMost b
 	}
 	var res local.Result
 	granted := n
+	now := lim.cfg.now()
 	if atMost {
 		var k int
-		res, k = lim.shares.AllowAtMost(lim.cfg.now(), key, r, burst, capacity, int(n))
+		res, k = lim.shares.AllowAtMost(now, key, r, burst, capacity, int(n))
 		granted = int64(k)
 	} else {
-		res = lim.shares.AllowN(lim.cfg.now(), key, r, burst, capacity, int(n))
+		res = lim.shares.AllowN(now, key, r, burst, capacity, int(n))
 	}
 	if res.Allowed && !lim.spentLocally.Load() {
 		lim.spentLocally.Store(true)
@@ -830,7 +831,10 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, atMost b
 	}
 	if res.Allowed && nd != nil && nd.cb.State() == breaker.StateClosed {
 		// A decision that Redis did not answer, on a node whose breaker
-		// stays closed: nothing else would charge Redis for it.
+		// stays closed: nothing else would charge Redis for it. What it
+		// took is owed at once: by the reconciliation, 100 ms on, a fast
+		// share may have refilled and would report nothing spent.
+		lim.shares.Hold(now, key)
 		lim.owe()
 	}
 }

@@ -394,6 +394,23 @@ func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key s
 	}
 }
 
+// Hold keeps what key's local bucket spent by now as owed, as Drain
+// reports it, and measures its spending afresh from now, so that a local
+// decision made while Redis's breaker stays closed is charged in full:
+// measured when the reconciler runs, later, a bucket that has refilled to
+// its burst meanwhile would report nothing, while Redis's bucket, which
+// the remote decisions spent, never had that refill to spare. A key
+// without a local bucket is left alone.
+func (s *Shares) Hold(now time.Time, key string) {
+	sh := s.shard(key)
+	sh.mu.Lock()
+	if b := sh.m[key]; b != nil && b.lim != nil {
+		b.owed += s.spent(b, now)
+		b.seed, b.seedAt = b.lim.TokensAt(now), s.mono(now)
+	}
+	sh.mu.Unlock()
+}
+
 // TakeLease takes n tokens from key's lease if it holds n and is still
 // valid at now, and returns the tokens left in it. It does not allocate.
 func (s *Shares) TakeLease(now time.Time, key string, n int64) (left int64, ok bool) {

@@ -760,3 +760,27 @@ func TestCountRecordsTheHandoff(t *testing.T) {
 		t.Errorf("Seen after Count without handoff: ok; want nothing recorded")
 	}
 }
+
+// TestHoldKeepsSpendingPastRefill: a token taken and held is reported by a
+// Drain made after the bucket refilled to its burst; unheld, the refill
+// hides it.
+func TestHoldKeepsSpendingPastRefill(t *testing.T) {
+	for _, hold := range []bool{false, true} {
+		s := New(0)
+		if res := s.AllowN(t0, "k", 50, 50, 50.0, 1); !res.Allowed {
+			t.Fatalf("AllowN = %+v; want allowed", res)
+		}
+		if hold {
+			s.Hold(t0, "k")
+		}
+		var got float64
+		s.Drain(t0.Add(100*time.Millisecond), nil, func(_ string, spent float64) { got += spent })
+		want := 0.0 // refilled in 20 ms: nothing beyond the untouched bucket
+		if hold {
+			want = 1
+		}
+		if math.Abs(got-want) > 1e-9 {
+			t.Errorf("hold %v: Drain 100 ms after the take reports %.4f tokens spent; want %v", hold, got, want)
+		}
+	}
+}
