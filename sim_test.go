@@ -1611,13 +1611,28 @@ func (r *simRun) checkExact(add func(string, string, ...any)) {
 			wait bool
 		}
 		var reqs []req
-		got := 0
+		got, policy := 0, 0
 		for _, rec := range r.recs {
 			if rec.key != key {
 				continue
 			}
 			if rec.allowed && rec.err == nil {
 				got++
+			}
+			// The failure policy's decisions (in a run without faults,
+			// those whose budget ran out while their connection was
+			// being dialed: see recovery) were not run by Redis. A denial
+			// took nothing there; an admission is charged to it later
+			// (reconcileAfter, in full), or never (FailOpen); one that
+			// was sent may have run late as well. Each moves the shared
+			// bucket by at most a token from the one fed the call at its
+			// end, and with n = 1 a bucket a token off admits at most one
+			// call more or less: each may cost one either way.
+			if rec.err == nil && (!rec.wait && rec.mode != ModeRemote || rec.wait && rec.allowed && r.mayBeLocal(rec)) {
+				policy++
+				if !rec.allowed {
+					continue
+				}
 			}
 			switch {
 			case rec.wait && rec.allowed:
@@ -1638,8 +1653,8 @@ func (r *simRun) checkExact(add func(string, string, ...any)) {
 				want++
 			}
 		}
-		if got != want {
-			add("exact-healthy", "key %s: the fleet admitted %d, one bucket fed the same calls admits %d", key, got, want)
+		if got < want-policy || got > want+policy {
+			add("exact-healthy", "key %s: the fleet admitted %d, one bucket fed the same calls admits %d (%d decisions by the failure policy)", key, got, want, policy)
 		}
 	}
 }
