@@ -26,7 +26,7 @@ func (lim *Limiter) Wait(ctx context.Context, key string) error {
 // random, and tries again; it never spins. If ctx ends while it waits for a
 // reservation, or the reservation falls due after ctx's deadline (the
 // round trip spent part of what it was sized to), the tokens are given
-// back (a best-effort Refund, one more round trip). It returns at once
+// back in the background (a best-effort Refund). It returns at once
 // with an error wrapping context.DeadlineExceeded when its deadline cannot
 // be met, ctx's error if ctx ends first, and the errors of
 // AllowN; with Config.Shadow it never waits.
@@ -63,10 +63,19 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 			if d.wait <= 0 {
 				return nil
 			}
+			// The give-back goes in the background: the caller's deadline
+			// has come, or is nearer than the tokens, and a round trip to
+			// Redis must not hold it past. Close waits for it.
 			giveBack := func() {
-				rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), lim.cfg.Timeout)
-				_ = lim.Refund(rctx, key, d, n)
-				cancel()
+				if !lim.enter() {
+					return
+				}
+				go func() {
+					defer lim.wg.Done()
+					rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), lim.cfg.Timeout)
+					defer cancel()
+					_ = lim.Refund(rctx, key, d, n)
+				}()
 			}
 			// The reservation was sized to ctx's deadline when it was
 			// sent; the round trip may have spent what it left. A waiter
