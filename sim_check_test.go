@@ -199,3 +199,59 @@ func TestSimWindowsTakeoverReservations(t *testing.T) {
 		t.Errorf("2 admitted in 0.913 s, both granted 1.1 s or more after the takeover: %v; want one window-limit", got)
 	}
 }
+
+// TestSimFloorIgnoresCallsToLeftInstances: seed 13890, shrunk. Under
+// FailLocal, Redis hangs for every instance, and instance 1 leaves a
+// fifth of a second into the checked second; its callers keep calling
+// while its Close waits out the hung calls, and get ErrClosed. Every call
+// a Limiter decided was admitted (6 of 6); the nine ErrClosed calls were
+// offered to no Limiter of the fleet, and do not raise the floor
+// (min(15, 10) - 1 = 9 counting them). Denials by a live instance still
+// do.
+func TestSimFloorIgnoresCallsToLeftInstances(t *testing.T) {
+	l := Limit{Rate: 200, Burst: 100} // floor: 200 × min(0.1/2, 1/2) = 10 a second
+	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
+	run := func(extra ...record) []string {
+		r := &simRun{s: schedule{Slots: 2, Instances: 2, CfgInst: 2, Policy: FailLocal, Keys: 2,
+			Timeout: 20 * time.Millisecond, Duration: 4 * time.Second, Limit: l}}
+		r.limits = append(r.limits, struct {
+			at time.Duration
+			l  Limit
+		}{0, l})
+		r.alive = []interval{{0, 4 * time.Second}, {0, ms(1200)}}
+		r.killed = []interval{{time.Second, ms(3500)}}
+		// Each instance's breaker must be open at 1.02 s: its
+		// Failures calls into the outage (on k1) have ended.
+		for i := range 2 {
+			for range DefaultBreakerFailures {
+				r.recs = append(r.recs, record{inst: i, key: "k1", n: 1, allowed: true, mode: ModeLocal,
+					start: time.Second, end: ms(1020)})
+			}
+		}
+		for _, at := range []int{1100, 1400, 1700, 1900} {
+			r.recs = append(r.recs, record{inst: 0, key: "k0", n: 1, allowed: true, mode: ModeLocal, start: ms(at), end: ms(at)})
+		}
+		for _, at := range []int{1050, 1150} {
+			r.recs = append(r.recs, record{inst: 1, key: "k0", n: 1, allowed: true, mode: ModeLocal, start: ms(at), end: ms(at)})
+		}
+		r.recs = append(r.recs, extra...)
+		var got []string
+		r.checkFloor(func(name, format string, args ...any) { got = append(got, name) })
+		return got
+	}
+	var closed, denied []record
+	for i := range 9 {
+		at := ms(1250 + 80*i)
+		closed = append(closed, record{inst: 1, key: "k0", n: 1, start: at, end: at, err: ErrClosed})
+		denied = append(denied, record{inst: 0, key: "k0", n: 1, mode: ModeLocal, start: at, end: at})
+	}
+	if got := run(); len(got) != 0 {
+		t.Errorf("6 admitted of 6 offered: %v; want none", got)
+	}
+	if got := run(closed...); len(got) != 0 {
+		t.Errorf("6 admitted of 6 offered, and 9 calls to the instance that left: %v; want none", got)
+	}
+	if got := run(denied...); len(got) != 1 || got[0] != "outage-floor" {
+		t.Errorf("6 admitted of 15 offered, 9 denied locally by the instance that stayed: %v; want one outage-floor", got)
+	}
+}

@@ -1561,6 +1561,13 @@ func (r *simRun) checkFloor(add func(string, string, ...any)) {
 				if rec.key != key || rec.end < ws || rec.end >= ws+time.Second {
 					continue
 				}
+				// A call to an instance that left (its Limiter closed:
+				// ErrClosed, which redis-error allows only then) was
+				// offered to no Limiter of the fleet, and waits for
+				// nothing: the caller's own instance is gone.
+				if errors.Is(rec.err, ErrClosed) {
+					continue
+				}
 				if rec.wait {
 					waited = true
 				} else {
