@@ -40,6 +40,12 @@ func clientKinds(t *testing.T, f func(t *testing.T, ctxTimeout bool)) {
 // ContextTimeoutEnabled, which is ctxTimeout; t.Cleanup closes them, then
 // waits out go-redis's dial back-offs and layout reloads.
 func onSimCluster(t *testing.T, cfg Config, ctxTimeout bool) (*simredis.Cluster, []*simnet.Link, *Limiter) {
+	return onSimClusterWith(t, cfg, ctxTimeout, nil)
+}
+
+// onSimClusterWith is onSimCluster, calling before (if not nil) with the
+// Cluster client before its first command.
+func onSimClusterWith(t *testing.T, cfg Config, ctxTimeout bool, before func(*redis.ClusterClient)) (*simredis.Cluster, []*simnet.Link, *Limiter) {
 	t.Cleanup(func() { time.Sleep(30 * time.Second) }) // last
 	cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
 	t.Cleanup(cl.Close)
@@ -49,6 +55,9 @@ func onSimCluster(t *testing.T, cfg Config, ctxTimeout bool) (*simredis.Cluster,
 	}
 	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0), ContextTimeoutEnabled: ctxTimeout})
 	t.Cleanup(func() { client.Close() })
+	if before != nil {
+		before(client)
+	}
 	// go-redis reads COMMAND once, under a mutex, from a random node:
 	// now, before that node can hang (see sim_cluster_test.go).
 	_ = client.Ping(context.Background()).Err()
@@ -443,26 +452,12 @@ func TestSettleWaitsOnlyForOwedKeys(t *testing.T) {
 // over.
 func TestLayoutReadsBounded(t *testing.T) {
 	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
-		t.Cleanup(func() { time.Sleep(30 * time.Second) }) // last
-		cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
-		t.Cleanup(cl.Close)
-		links := make([]*simnet.Link, len(cl.Nodes))
-		for i := range links {
-			links[i] = simnet.NewLink()
-		}
-		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0), ContextTimeoutEnabled: ctxTimeout})
-		t.Cleanup(func() { client.Close() })
 		// go-redis's own readings, through its node clients, are counted
 		// apart from the limiter's.
 		var theirs atomic.Int64
-		client.OnNewNode(func(c *redis.Client) { c.AddHook(slotsCounter{&theirs}) })
-		_ = client.Ping(context.Background()).Err()
-		lim, err := New(Config{Redis: client, Limit: PerSecond(100), Timeout: 50 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { lim.Close() })
-
+		cl, links, lim := onSimClusterWith(t, Config{Limit: PerSecond(100), Timeout: 50 * time.Millisecond}, ctxTimeout, func(c *redis.ClusterClient) {
+			c.OnNewNode(func(c *redis.Client) { c.AddHook(slotsCounter{&theirs}) })
+		})
 		ctx := context.Background()
 		const key = "k"
 		shard := cl.ShardOf(DefaultPrefix + key)

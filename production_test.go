@@ -14,6 +14,8 @@ import (
 	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/internal/faultproxy"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/internal/simnet"
+	"github.com/hybridlimit/hybridlimit/internal/simredis"
 	"github.com/hybridlimit/hybridlimit/lua"
 	"github.com/hybridlimit/hybridlimit/remote"
 )
@@ -505,25 +507,33 @@ func TestDecisionsRunLaterHooks(t *testing.T) {
 	}
 }
 
+// onSimWaiter runs f in a synctest bubble on a simulated Redis, whose
+// link's latency f sets, with a Limiter of 10/s, burst 1, that has taken
+// its one token.
+func onSimWaiter(t *testing.T, f func(t *testing.T, r *testRedis, lim *Limiter)) {
+	bubble(t, func(t *testing.T) {
+		r := &testRedis{sim: simredis.New(), link: simnet.NewLink()}
+		t.Cleanup(r.sim.Close)
+		lim, err := New(Config{Redis: r.client(t), Limit: Limit{Rate: 10, Burst: 1}, Timeout: 200 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { lim.Close() })
+		if d, err := lim.Allow(context.Background(), "k"); err != nil || !d.Allowed {
+			t.Fatalf("first token: %+v, %v", d, err)
+		}
+		f(t, r, lim)
+	})
+}
+
 // TestWaitNReservationPastDeadline: a WaitN's reservation is sized to its
 // deadline when the call is sent, and the round trip spends some of what
 // is left. A waiter whose reserved tokens fall due after its deadline must
 // give them back and return at once, as its doc promises, not hold them
 // until the deadline: the waiters queued behind it would wait for them.
 func TestWaitNReservationPastDeadline(t *testing.T) {
-	withRedis(t, func(t *testing.T, r *testRedis) {
-		if r.sim == nil {
-			t.Skip("needs the simulated link's latency")
-		}
-		lim, err := New(Config{Redis: r.client(t), Limit: Limit{Rate: 10, Burst: 1}, Timeout: 200 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { lim.Close() })
+	onSimWaiter(t, func(t *testing.T, r *testRedis, lim *Limiter) {
 		ctx := context.Background()
-		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
-			t.Fatalf("first token: %+v, %v", d, err)
-		}
 		time.Sleep(time.Second) // connections open; the bucket refills
 		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
 			t.Fatalf("the refilled token: %+v, %v", d, err)
@@ -535,7 +545,7 @@ func TestWaitNReservationPastDeadline(t *testing.T) {
 		wctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
 		defer cancel()
 		start := time.Now()
-		err = lim.Wait(wctx, "k")
+		err := lim.Wait(wctx, "k")
 		took := time.Since(start)
 		if !errors.Is(err, context.DeadlineExceeded) {
 			t.Fatalf("Wait = %v; want context.DeadlineExceeded", err)
@@ -560,24 +570,13 @@ func TestWaitNReservationPastDeadline(t *testing.T) {
 // sleeps for its reservation gives the tokens back, and returns when the
 // context ends, not a round trip to Redis later.
 func TestWaitNCancelledReturnsAtOnce(t *testing.T) {
-	withRedis(t, func(t *testing.T, r *testRedis) {
-		if r.sim == nil {
-			t.Skip("needs the simulated link's latency")
-		}
-		lim, err := New(Config{Redis: r.client(t), Limit: Limit{Rate: 10, Burst: 1}, Timeout: 200 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { lim.Close() })
+	onSimWaiter(t, func(t *testing.T, r *testRedis, lim *Limiter) {
 		ctx := context.Background()
-		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
-			t.Fatalf("first token: %+v, %v", d, err)
-		}
 		r.link.SetLatency(20 * time.Millisecond)
 		wctx, cancel := context.WithCancel(ctx)
 		time.AfterFunc(50*time.Millisecond, cancel) // the reservation is due at about 100 ms
 		start := time.Now()
-		err = lim.Wait(wctx, "k")
+		err := lim.Wait(wctx, "k")
 		took := time.Since(start)
 		if !errors.Is(err, context.Canceled) {
 			t.Fatalf("Wait = %v; want context.Canceled", err)
