@@ -660,11 +660,15 @@ func (sh *shard) dropFull(now time.Time) int {
 	return n
 }
 
-// full reports whether b is as good as new at now: its local bucket, if
-// any, is full (a bucket with rate.Inf counts as full: x/time/rate ignores
-// its tokens), and what Redis said of the key, if anything, has refilled
-// to a full bucket since.
+// full reports whether b is as good as new at now: it owes Redis nothing
+// (spending held or kept from a charge that failed, which a new bucket
+// would forget), its local bucket, if any, is full (a bucket with rate.Inf
+// counts as full: x/time/rate ignores its tokens), and what Redis said of
+// the key, if anything, has refilled to a full bucket since.
 func (b *bucket) full(now time.Time, epoch time.Time) bool {
+	if b.owed > 0 {
+		return false
+	}
 	if b.lim != nil && b.r != rate.Inf && b.lim.TokensAt(now) < float64(b.burst) {
 		return false
 	}

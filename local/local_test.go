@@ -784,3 +784,26 @@ func TestHoldKeepsSpendingPastRefill(t *testing.T) {
 		}
 	}
 }
+
+// TestSweepKeepsWhatIsOwed: a bucket that refilled to its burst but owes
+// Redis what it spent (held, or kept from a charge that failed) is not as
+// good as new: Sweep must keep it, or the spending is never charged.
+func TestSweepKeepsWhatIsOwed(t *testing.T) {
+	s := New(0)
+	if res := s.AllowN(t0, "k", 50, 50, 50.0, 1); !res.Allowed {
+		t.Fatalf("AllowN = %+v; want allowed", res)
+	}
+	s.Hold(t0, "k")
+	if n := s.Sweep(t0.Add(50 * time.Millisecond)); n != 0 {
+		t.Errorf("Sweep dropped %d buckets; want the one that owes kept", n)
+	}
+	var got float64
+	s.Drain(t0.Add(100*time.Millisecond), nil, func(_ string, spent float64) { got += spent })
+	if math.Abs(got-1) > 1e-9 {
+		t.Errorf("Drain after Sweep reports %.4f tokens spent; want 1", got)
+	}
+	s.Settle("k", got)
+	if n := s.Sweep(t0.Add(200 * time.Millisecond)); n != 1 {
+		t.Errorf("Sweep once the charge is settled dropped %d buckets; want 1", n)
+	}
+}
