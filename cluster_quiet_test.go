@@ -487,8 +487,9 @@ func TestLayoutReadsBounded(t *testing.T) {
 		own := reads() - all - (theirs.Load() - mine)
 		t.Logf("the limiter's own CLUSTER SLOTS in %v of an open breaker: %d (6 nodes, %d readings); at the replica: %d; go-redis's: %d",
 			span, own, readings, cl.SlotsReads(replica)-atReplica, theirs.Load()-mine)
-		// One reading may be under way at either end of the span.
-		if want := (readings + 1) * layoutFanout; own > want {
+		// Two a reading, and one reading may be under way at either end
+		// of the span.
+		if want := (readings + 1) * 2; own > want {
 			t.Errorf("the limiter sent %d CLUSTER SLOTS in %v of an open breaker; want at most %d", own, span, want)
 		}
 		if got := cl.SlotsReads(replica) - atReplica; got < readings-1 {
@@ -556,7 +557,7 @@ func TestLayoutReadingHedged(t *testing.T) {
 			t.Fatal("the hung replica answered")
 		}
 		t.Logf("slowest of 40 readings: %v", slowest)
-		if want := timeout/layoutHedge + 5*time.Millisecond; slowest > want {
+		if want := timeout/4 + 5*time.Millisecond; slowest > want {
 			t.Errorf("slowest of 40 readings with a replica hung: %v; want at most %v", slowest, want)
 		}
 	})

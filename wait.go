@@ -65,7 +65,8 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 			}
 			// The give-back goes in the background: the caller's deadline
 			// has come, or is nearer than the tokens, and a round trip to
-			// Redis must not hold it past. Close waits for it.
+			// Redis must not hold it past. Close waits for one under way;
+			// after Close, as any Refund, it is not sent.
 			giveBack := func() {
 				if !lim.enter() {
 					return
