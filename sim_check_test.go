@@ -255,3 +255,18 @@ func TestSimFloorIgnoresCallsToLeftInstances(t *testing.T) {
 		t.Errorf("6 admitted of 15 offered, 9 denied locally by the instance that stayed: %v; want one outage-floor", got)
 	}
 }
+
+// TestSimFoundSeeds replays the seeds beyond the 2,000 that CI runs which
+// found a defect, of the limiter or of a check (docs/faults.md, "Seeds
+// beyond the first 2,000"): each must pass every invariant. 3186 and 3480
+// fail reconcile-undercharge without local.Shares.Hold.
+func TestSimFoundSeeds(t *testing.T) {
+	for _, seed := range []uint64{3186, 3480, 3842, 4204, 6202, 7742, 10934, 11683, 13890} {
+		v, _ := simulate(t, genSchedule(seed))
+		for _, name := range invariants {
+			if msgs := v[name]; len(msgs) > 0 {
+				t.Errorf("seed %d: %s (%d): %s", seed, name, len(msgs), msgs[0])
+			}
+		}
+	}
+}

@@ -54,7 +54,7 @@ var (
 var invariants = []string{
 	"window-limit", "outage-floor", "redis-error", "short-deadline-failover", "latency",
 	"retry-after", "waitn-spin", "recovery", "exact-healthy", "stale-denial",
-	"remote-while-down", "reconcile-overcharge", "goroutine-leak", "failover",
+	"remote-while-down", "reconcile-overcharge", "reconcile-undercharge", "goroutine-leak", "failover",
 	"schedule",
 }
 
@@ -1716,6 +1716,31 @@ func (r *simRun) checkCharges(add func(string, string, ...any)) {
 		case charged[k] > float64(local+timedOut)+0.5:
 			add("reconcile-overcharge", "instance %d charged key %s %.2f tokens by %v; it spent %d locally (%d more timed out)",
 				c.inst, c.key, charged[k], c.at, local, timedOut)
+		}
+	}
+	// And no less where the design charges in full: in a run without
+	// faults, under FailLocal, an instance whose breaker never opened
+	// admitted locally only on time-outs, each owed in full when made and
+	// charged reconcileAfter later, by the run's end all but the last.
+	if !r.s.healthy() || r.s.Policy != FailLocal {
+		return
+	}
+	opened := map[int]bool{}
+	for _, b := range r.breakers {
+		opened[b.inst] = opened[b.inst] || b.open
+	}
+	owed := map[ik]int64{}
+	for _, rec := range r.recs {
+		if rec.err != nil || !rec.allowed || rec.wait || rec.mode != ModeLocal || opened[rec.inst] ||
+			rec.end > r.alive[rec.inst].to-reconcileAfter-2*r.s.Timeout {
+			continue
+		}
+		owed[ik{rec.inst, rec.key}] += rec.n
+	}
+	for k, n := range owed {
+		if charged[k] < float64(n)-0.5 {
+			add("reconcile-undercharge", "instance %d admitted %d on key %s locally while its breaker stayed closed; it charged %.2f tokens",
+				k.inst, n, k.key, charged[k])
 		}
 	}
 }
