@@ -210,10 +210,10 @@ const layoutHedge = 4
 // It returns the layout that the first layoutFanout answers give (one is
 // enough if every master it names is not failing here), nil if none
 // answered before ctx ended. Nodes whose breaker is not closed, and
-// suspect, are not asked. With a slot (not -1), it
-// returns at the first answer that names a master of that slot that is
-// neither, and goes on asking until one does or every node answered: a
-// node lost for good would hold the reading until ctx ends.
+// suspect, are not asked. With a slot (not -1), it returns at the first
+// answer that names a master of that slot that is neither, and goes on
+// asking until one does or every node answered: a node lost for good
+// would hold the reading until ctx ends.
 func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *layout {
 	seen := map[string]bool{}
 	var addrs []string
@@ -272,11 +272,6 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 	defer hedge.Stop()
 	asked, pending := 0, 0
 	ask := func() {
-		wait := lim.cfg.Timeout
-		if dl, ok := ctx.Deadline(); ok {
-			wait = min(wait, time.Until(dl))
-		}
-		hedge.Reset(max(wait/layoutHedge, time.Millisecond))
 		for ; asked < len(live); asked++ {
 			a := live[asked]
 			c := lim.ownClient(a)
@@ -295,6 +290,11 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 			})
 			asked++
 			pending++
+			wait := lim.cfg.Timeout
+			if dl, ok := ctx.Deadline(); ok {
+				wait = min(wait, time.Until(dl))
+			}
+			hedge.Reset(max(wait/layoutHedge, time.Millisecond))
 			return
 		}
 	}
