@@ -569,9 +569,15 @@ func TestWaitNReservationPastDeadline(t *testing.T) {
 func TestWaitNCancelledReturnsAtOnce(t *testing.T) {
 	onSimWaiter(t, func(t *testing.T, r *testRedis, lim *Limiter) {
 		ctx := context.Background()
+		time.Sleep(time.Second) // connections open; the bucket refills
+		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
+			t.Fatalf("the refilled token: %+v, %v", d, err)
+		}
+		// Replies 20 ms late: the reservation is answered at 20 ms, its
+		// tokens due at 100 ms; the context ends at 50 ms.
 		r.link.SetLatency(20 * time.Millisecond)
 		wctx, cancel := context.WithCancel(ctx)
-		time.AfterFunc(50*time.Millisecond, cancel) // the reservation is due at about 100 ms
+		time.AfterFunc(50*time.Millisecond, cancel)
 		before := r.sim.Calls()
 		start := time.Now()
 		err := lim.Wait(wctx, "k")
