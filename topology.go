@@ -189,11 +189,11 @@ func (lim *Limiter) enter() bool {
 	return true
 }
 
-// layoutFanout is how many nodes a reading of the layout asks at once. A
-// reading asks one more for each answer that fails, is slow (layoutHedge)
-// or, for a slot, does not name a master that answers here, so a node that
-// hangs or has not heard of a failover yet costs it a round trip, not the
-// reading. Asking every node at once would cost the Cluster one CLUSTER
+// layoutFanout is how many nodes a reading of the layout asks at once,
+// and how many answers it takes at most. A reading asks one more for each
+// answer that fails or is slow (layoutHedge), so a node that hangs costs
+// it a round trip, not the reading; the replicas of a failing master go
+// first, and after a takeover one of them answers with the news. Asking every node at once would cost the Cluster one CLUSTER
 // SLOTS per node for every reading of every instance, ten a second each
 // while a breaker is open, at the moment some of its nodes take over.
 const layoutFanout = 2
@@ -210,10 +210,9 @@ const layoutHedge = 4
 // It returns the layout that the first layoutFanout answers give (one is
 // enough if every master it names is not failing here), nil if none
 // answered before ctx ended. Nodes whose breaker is not closed, and
-// suspect, are not asked. With a slot (not -1), it returns at the first
-// answer that names a master of that slot that is neither, and goes on
-// asking until one does or every node answered: a node lost for good
-// would hold the reading until ctx ends.
+// suspect, are not asked: a node lost for good would hold the reading
+// until ctx ends. With a slot (not -1), it returns at the first answer
+// that names a master of that slot that is neither.
 func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *layout {
 	seen := map[string]bool{}
 	var addrs []string
@@ -354,16 +353,16 @@ read:
 		}
 		l.claim(ranges, down)
 		answers++
-		if slot < 0 {
-			if answers >= layoutFanout || !slices.ContainsFunc(l.spans, func(s span) bool { return s.owner > 0 && down[s.owner-1] }) {
-				break read // enough answers, or every slot's master answers here
+		if slot >= 0 {
+			if i := l.ownerOf(slot); i > 0 && !down[i-1] {
+				break read // what the caller asked for, the slot's master now
 			}
-			continue
+		} else if !slices.ContainsFunc(l.spans, func(s span) bool { return s.owner > 0 && down[s.owner-1] }) {
+			break read // every slot's master answers here
 		}
-		if i := l.ownerOf(slot); i > 0 && !down[i-1] {
-			break read // what the caller asked for, the slot's master now
+		if answers >= layoutFanout {
+			break read
 		}
-		ask() // it named no master of the slot that answers here
 	}
 	if answers == 0 {
 		return nil
