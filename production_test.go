@@ -507,9 +507,9 @@ func TestDecisionsRunLaterHooks(t *testing.T) {
 	}
 }
 
-// onSimWaiter runs f in a synctest bubble on a simulated Redis, whose
-// link's latency f sets, with a Limiter of 10/s, burst 1, that has taken
-// its one token.
+// onSimWaiter runs f in a synctest bubble on a simulated Redis whose
+// replies come 20 ms late, with a Limiter of 10/s, burst 1, whose bucket
+// is empty.
 func onSimWaiter(t *testing.T, f func(t *testing.T, r *testRedis, lim *Limiter)) {
 	bubble(t, func(t *testing.T) {
 		r := &testRedis{sim: simredis.New(), link: simnet.NewLink()}
@@ -521,9 +521,18 @@ func onSimWaiter(t *testing.T, f func(t *testing.T, r *testRedis, lim *Limiter))
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { lim.Close() })
-		if d, err := lim.Allow(context.Background(), "k"); err != nil || !d.Allowed {
+		ctx := context.Background()
+		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
 			t.Fatalf("first token: %+v, %v", d, err)
 		}
+		// Once the first contact's connections are open (a decision that
+		// must dial would be answered late), the refilled token is taken
+		// too, and replies come 20 ms late.
+		time.Sleep(time.Second)
+		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
+			t.Fatalf("the refilled token: %+v, %v", d, err)
+		}
+		r.link.SetLatency(20 * time.Millisecond)
 		f(t, r, lim)
 	})
 }
@@ -536,14 +545,8 @@ func onSimWaiter(t *testing.T, f func(t *testing.T, r *testRedis, lim *Limiter))
 func TestWaitNReservationPastDeadline(t *testing.T) {
 	onSimWaiter(t, func(t *testing.T, r *testRedis, lim *Limiter) {
 		ctx := context.Background()
-		time.Sleep(time.Second) // connections open; the bucket refills
-		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
-			t.Fatalf("the refilled token: %+v, %v", d, err)
-		}
-		// Replies 20 ms late: sent with 100 ms left (a token's refill),
-		// the reservation owes a token (100 ms), and its answer comes
-		// back with 80 ms left.
-		r.link.SetLatency(20 * time.Millisecond)
+		// Sent with 100 ms left (a token's refill), the reservation owes
+		// a token (100 ms), and its answer comes back with 80 ms left.
 		wctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
 		defer cancel()
 		before := r.sim.Calls()
@@ -569,13 +572,8 @@ func TestWaitNReservationPastDeadline(t *testing.T) {
 func TestWaitNCancelledReturnsAtOnce(t *testing.T) {
 	onSimWaiter(t, func(t *testing.T, r *testRedis, lim *Limiter) {
 		ctx := context.Background()
-		time.Sleep(time.Second) // connections open; the bucket refills
-		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
-			t.Fatalf("the refilled token: %+v, %v", d, err)
-		}
-		// Replies 20 ms late: the reservation is answered at 20 ms, its
-		// tokens due at 100 ms; the context ends at 50 ms.
-		r.link.SetLatency(20 * time.Millisecond)
+		// The reservation is answered at 20 ms, its tokens due at
+		// 100 ms; the context ends at 50 ms.
 		wctx, cancel := context.WithCancel(ctx)
 		time.AfterFunc(50*time.Millisecond, cancel)
 		before := r.sim.Calls()
