@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/hybridlimit/hybridlimit/breaker"
+	"github.com/hybridlimit/hybridlimit/local"
 	"github.com/hybridlimit/hybridlimit/remote"
 )
 
@@ -135,13 +136,13 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 		// dropped or reset meanwhile owes nothing); what was spent since
 		// goes under a new one.
 		for _, p := range lim.unanswered[key] {
-			if p.spent <= spent+1e-9 && now.Sub(p.sent) < remote.OnceFor {
+			if p.spent <= spent+local.Negligible && now.Sub(p.sent) < remote.OnceFor {
 				add(p)
 				spent -= p.spent
 			}
 		}
 		delete(lim.unanswered, key)
-		if spent > 1e-9 {
+		if spent > local.Negligible {
 			lim.onces++
 			add(pendingCharge{once: lim.onceBase + strconv.FormatUint(lim.onces, 36), spent: spent, sent: now})
 		}

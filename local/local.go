@@ -33,6 +33,13 @@ const DefaultMaxKeys = 1_000_000
 // shard's lock; 32 entries take about 5µs (BenchmarkAllowNNewKeys).
 const scanLimit = 32
 
+// Negligible is the spending, in tokens, at or below which a measure is
+// the rounding of two float refills (a bucket's starting level plus its
+// rate times the time since, against x/time/rate's own): Drain does not
+// report it, the caller does not charge it, and kept as owed it does not
+// keep a bucket from Sweep.
+const Negligible = 1e-9
+
 // maxShards is the number of shards when maxKeys allows it. 64 shards keep
 // lock contention low on machines with up to a few dozen cores.
 const maxShards = 64
@@ -376,6 +383,9 @@ func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key s
 				continue
 			}
 			spent := b.owed + s.spent(b, now)
+			if spent <= Negligible {
+				spent = 0
+			}
 			if spent > 0 {
 				out = append(out, spend{k, spent})
 			}
@@ -666,7 +676,7 @@ func (sh *shard) dropFull(now time.Time) int {
 // counts as full: x/time/rate ignores its tokens), and what Redis said of
 // the key, if anything, has refilled to a full bucket since.
 func (b *bucket) full(now time.Time, epoch time.Time) bool {
-	if b.owed > 0 {
+	if b.owed > Negligible {
 		return false
 	}
 	if b.lim != nil && b.r != rate.Inf && b.lim.TokensAt(now) < float64(b.burst) {
