@@ -505,7 +505,8 @@ func (sh *shard) dropLeases(now mono, limit int) {
 	}
 }
 
-// Refund gives n tokens back to key's local bucket, up to its burst. A key
+// Refund gives n tokens back to key's local bucket, up to its burst, and
+// off what the bucket owes Redis: tokens given back were not spent. A key
 // without a local bucket is left alone.
 func (s *Shares) Refund(now time.Time, key string, n int) {
 	sh := s.shard(key)
@@ -514,6 +515,18 @@ func (s *Shares) Refund(now time.Time, key string, n int) {
 	var lim *rate.Limiter
 	if b != nil {
 		lim = b.lim
+	}
+	if lim != nil && n > 0 && b.owed > 0 {
+		// What is owed (held, or kept from a charge that failed) is
+		// charged to Redis whatever the bucket's level: the tokens given
+		// back come off it, and spending is measured afresh from the
+		// level after the refund.
+		b.owed += s.spent(b, now)
+		b.owed -= min(b.owed, float64(n))
+		lim.AllowN(now, -n)
+		b.seed, b.seedAt = lim.TokensAt(now), s.mono(now)
+		sh.mu.Unlock()
+		return
 	}
 	sh.mu.Unlock()
 	if lim != nil && n > 0 {

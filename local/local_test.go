@@ -840,3 +840,21 @@ func TestSweepDropsWhatRoundingLeaves(t *testing.T) {
 	}
 }
 
+// TestRefundCancelsWhatIsOwed: tokens held as owed and then given back
+// were not spent; Drain must not report them.
+func TestRefundCancelsWhatIsOwed(t *testing.T) {
+	s := New(0)
+	if res := s.AllowN(t0, "k", 0.1, 10, 10, 3); !res.Allowed {
+		t.Fatalf("AllowN = %+v; want allowed", res)
+	}
+	s.Hold(t0, "k")
+	s.Refund(t0.Add(time.Millisecond), "k", 2)
+	var got float64
+	s.Drain(t0.Add(100*time.Millisecond), nil, func(_ string, spent float64) { got += spent })
+	if math.Abs(got-1) > 1e-6 {
+		t.Errorf("Drain after 3 tokens held and 2 refunded reports %.4f tokens spent; want 1", got)
+	}
+	if res := s.AllowN(t0.Add(100*time.Millisecond), "k", 0.1, 10, 10, 9); !res.Allowed {
+		t.Errorf("AllowN(9) after the refund = %+v; want the 2 refunded tokens back in the bucket", res)
+	}
+}
