@@ -188,6 +188,9 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 		lim.relayoutAfterFailure()
 	case breaker.Success:
 		nd.failing.Store(false)
+		if lim.pending.Load() {
+			lim.owe()
+		}
 		if lim.cluster != nil {
 			nd.heard(lim.cfg.now())
 		}

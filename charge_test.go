@@ -3,13 +3,17 @@ package hybridlimit
 import (
 	"context"
 	"net"
+	"strconv"
+	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/redis/go-redis/v9"
 
 	"github.com/hybridlimit/hybridlimit/internal/simnet"
 	"github.com/hybridlimit/hybridlimit/internal/simredis"
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // TestRefilledLocalSpendingIsCharged: a decision whose caller's deadline
@@ -108,4 +112,134 @@ func slowDialing(t *testing.T) *redis.Client {
 	})
 	t.Cleanup(func() { client.Close() })
 	return client
+}
+
+// TestUnansweredChargesDoNotPileUp: while Redis answers after the budget
+// and the breaker stays closed, every decision goes local and every charge
+// goes unanswered. Each reconciliation sends again the key's charge under
+// its Once; what was spent since stays owed until that one is answered,
+// rather than going under a new Once each time, which would send one more
+// charge each reconciliation, all of them every time (ten minutes of
+// OnceFor: thousands).
+func TestUnansweredChargesDoNotPileUp(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newChargeRig(t, Config{Limit: Limit{Rate: 1000, Burst: 1000}, Instances: 1, Heartbeat: -1,
+			Timeout: 50 * time.Millisecond, Breaker: BreakerConfig{Failures: 1000}})
+		ctx := context.Background()
+		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("first decision: %+v, %v", d, err)
+		}
+		r.link.SetLatency(80 * time.Millisecond)
+		const rounds = 30
+		for range rounds {
+			if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeLocal {
+				t.Fatalf("Allow = %+v, %v; want local", d, err)
+			}
+			time.Sleep(200 * time.Millisecond) // one reconciliation
+		}
+		r.lim.reconciling <- struct{}{}
+		pending := len(r.lim.unanswered["k"])
+		<-r.lim.reconciling
+		sent := r.sent("k")
+		t.Logf("after %d reconciliations: %d charges of k pending, %d sent", rounds, pending, sent)
+		if pending > 2 || sent > 3*rounds {
+			t.Errorf("after %d reconciliations: %d charges of k pending, %d sent; want at most 2 and %d", rounds, pending, sent, 3*rounds)
+		}
+	})
+}
+
+// TestUnansweredChargeIsSentAgain: a local admission (a time-out, breaker
+// closed) is charged 100 ms later, but the charge meets a hung connection
+// that is then reset: it never ran. Redis answers again at once, the
+// breaker never opened, and no local decision follows: the answers
+// themselves must bring the charge back, or the spending is never charged.
+func TestUnansweredChargeIsSentAgain(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		limit := Limit{Rate: 0.01, Burst: 10}
+		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
+		ctx := context.Background()
+		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("first decision: %+v, %v", d, err)
+		}
+		r.link.SetLatency(80 * time.Millisecond)
+		d, err := r.lim.AllowN(ctx, "k", 5)
+		if err != nil || !d.Allowed || d.Mode != ModeLocal {
+			t.Fatalf("AllowN(5) = %+v, %v; want a local admission", d, err)
+		}
+		time.Sleep(60 * time.Millisecond) // the decision's late reply
+		r.link.SetLatency(0)
+		r.link.Hang()
+		time.Sleep(100 * time.Millisecond) // the charge meets the hang
+		r.link.Reset()                     // and dies unread
+		r.link.Resume()
+		for range 10 { // Redis decides again, on another key
+			time.Sleep(time.Second)
+			if d, err := r.lim.Allow(ctx, "j"); err != nil || d.Mode != ModeRemote {
+				t.Fatalf("Allow(j) = %+v, %v; want a decision of Redis", d, err)
+			}
+		}
+		rl, err := remote.NewLimit(limit.Rate, limit.Burst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := r.charged("k", rl); got < 5-0.5 {
+			t.Errorf("Redis was charged %.2f of the 5 tokens admitted locally, 10 s after it answered again", got)
+		}
+	})
+}
+
+// chargeRig is a Limiter on one simulated Redis that counts, per key, the
+// charges Redis was sent and the units it applied (a charge found applied
+// under its Once before is not counted twice).
+type chargeRig struct {
+	srv     *simredis.Server
+	link    *simnet.Link
+	lim     *Limiter
+	mu      sync.Mutex
+	applied map[string]int64 // units, by Redis key
+	sentTo  map[string]int   // charges, by Redis key
+}
+
+func newChargeRig(t *testing.T, cfg Config) *chargeRig {
+	r := &chargeRig{srv: simredis.New(), link: simnet.NewLink(), applied: map[string]int64{}, sentTo: map[string]int{}}
+	t.Cleanup(r.srv.Close)
+	r.srv.Hook = func(_ int, key string, argv []string, reply any) {
+		if len(argv) <= 4 || argv[4] != "charge" {
+			return
+		}
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.sentTo[key]++
+		if rep, _ := reply.([]any); len(rep) > 0 && rep[0] != int64(4) {
+			units, _ := strconv.ParseInt(argv[3], 10, 64)
+			r.applied[key] += units
+		}
+	}
+	client := redis.NewClient(&redis.Options{
+		Addr:   "10.0.0.1:6379", // an IP: a hostname would be looked up
+		Dialer: r.link.Dialer(func(c net.Conn) { r.srv.Serve(c, 0) }),
+	})
+	t.Cleanup(func() { client.Close() })
+	cfg.Redis = client
+	lim, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { lim.Close() })
+	r.lim = lim
+	return r
+}
+
+// charged returns the tokens of rl that Redis applied in charges of key.
+func (r *chargeRig) charged(key string, rl remote.Limit) float64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return float64(r.applied[DefaultPrefix+key]) / float64(rl.P)
+}
+
+// sent returns how many charges of key Redis was sent.
+func (r *chargeRig) sent(key string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.sentTo[DefaultPrefix+key]
 }

@@ -153,9 +153,12 @@ type Limiter struct {
 	// unanswered holds, by key, the charges sent and not answered: sent
 	// again under the same Once, Redis applies each at most once.
 	unanswered map[string][]pendingCharge
-	onces      uint64     // charges named so far
-	onceBase   string     // this Limiter's part of every Once, random
-	rand       *rand.Rand // every random draw of the Limiter, from Config.rand
+	// pending is set while unanswered holds charges: a node's answer
+	// then asks for a reconciliation, which sends them again.
+	pending  atomic.Bool
+	onces    uint64     // charges named so far
+	onceBase string     // this Limiter's part of every Once, random
+	rand     *rand.Rand // every random draw of the Limiter, from Config.rand
 	// spentLocally is set by the first local decision that granted tokens:
 	// from then on there can be local spending to charge.
 	spentLocally atomic.Bool

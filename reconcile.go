@@ -112,12 +112,17 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 	var charges []charge
 	now := lim.cfg.now()
 	for key, ps := range lim.unanswered {
-		// A key whose bucket went (idle, evicted) never drains again:
-		// its charges are dropped once Redis forgot their Once.
-		if now.Sub(ps[len(ps)-1].sent) >= remote.OnceFor {
+		// A key whose bucket went (evicted, reset) never drains again and
+		// owes nothing: its charges would never be sent again. Nor would
+		// one whose Once Redis forgot.
+		if now.Sub(ps[len(ps)-1].sent) >= remote.OnceFor || !lim.shares.Local(key) {
 			delete(lim.unanswered, key)
 		}
 	}
+	// However the pass ends, what is left unanswered is sent again at the
+	// next reconciliation, which a node's next answer asks for (see send):
+	// neither a breaker closing nor a local decision may come again.
+	defer func() { lim.pending.Store(len(lim.unanswered) > 0) }()
 	lim.shares.Drain(now, func(key string) bool { return reachable(key) != nil }, func(key string, spent float64) {
 		nd := reachable(key)
 		var own limits
@@ -133,16 +138,20 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 		}
 		// What was charged and not answered goes again under its Once,
 		// while Redis still keeps it and it is still owed (a bucket
-		// dropped or reset meanwhile owes nothing); what was spent since
-		// goes under a new one.
+		// dropped or reset meanwhile owes nothing). What was spent since
+		// goes under a new one once those are answered, and stays owed
+		// until then: a new Once for each pass while Redis answers late
+		// would send one more charge each time, all of them every time.
+		resent := false
 		for _, p := range lim.unanswered[key] {
 			if p.spent <= spent+local.Negligible && now.Sub(p.sent) < remote.OnceFor {
 				add(p)
 				spent -= p.spent
+				resent = true
 			}
 		}
 		delete(lim.unanswered, key)
-		if spent > local.Negligible {
+		if !resent && spent > local.Negligible {
 			lim.onces++
 			add(pendingCharge{once: lim.onceBase + strconv.FormatUint(lim.onces, 36), spent: spent, sent: now})
 		}
