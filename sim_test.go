@@ -686,36 +686,41 @@ func (r *simRun) limitAt(at time.Duration) Limit {
 // scriptRan records a call of the bucket script the server ran for slot
 // tag: when, and the tokens of a charge.
 func (r *simRun) scriptRan(tag int, key string, argv []string, reply any) {
+	now := r.since()
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	k := answeredKey{tag, strings.TrimPrefix(key, DefaultPrefix)}
-	r.answered[k] = append(r.answered[k], r.since())
-	r.mu.Unlock()
+	r.answered[k] = append(r.answered[k], now)
 	if again, _ := reply.([]any); len(again) > 0 && again[0] == int64(4) {
 		return // a charge applied before: nothing taken
 	}
 	if len(argv) <= 4 || argv[4] == "" {
 		// A refund (a negative cost), by Refund or by a WaitN giving
 		// back its reservation.
-		var units int64
-		if fmt.Sscan(argv[3], &units); units < 0 {
-			r.mu.Lock()
+		if units := simInt(argv[3]); units < 0 {
 			if r.refunds == nil {
 				r.refunds = map[string][]time.Duration{}
 			}
-			r.refunds[k.key] = append(r.refunds[k.key], r.since())
-			r.mu.Unlock()
+			r.refunds[k.key] = append(r.refunds[k.key], now)
 		}
 	}
 	if len(argv) > 4 && argv[4] == "charge" {
-		var units, p int64
-		fmt.Sscan(argv[3], &units)
-		fmt.Sscan(argv[1], &p)
+		units, p := simInt(argv[3]), simInt(argv[1])
 		if units > 0 && p > 0 {
-			r.mu.Lock()
-			r.charges = append(r.charges, charge{tag, strings.TrimPrefix(key, DefaultPrefix), units, p, r.since()})
-			r.mu.Unlock()
+			r.charges = append(r.charges, charge{tag, k.key, units, p, now})
 		}
 	}
+}
+
+// simInt is an integer argument of a script call, as go-redis writes one
+// (decimal), 0 if it is not one; strconv rather than fmt.Sscan, which
+// costs more than the rest of the hook under the race detector.
+func simInt(s string) int64 {
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		return 0
+	}
+	return n
 }
 
 // heartbeatRan records when slot tag's instance first read its fleet: the

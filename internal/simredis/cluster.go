@@ -68,6 +68,7 @@ type clusterLayout struct {
 	master      []int               // node of each shard's master
 	replica     []int               // node of each shard's replica, -1: none listed
 	slotsReply  []any               // CLUSTER SLOTS
+	slotsRESP   encoded             // slotsReply in RESP2
 	takenOver   []bool              // the shard had its takeover
 	replicaDown []bool
 }
@@ -260,6 +261,7 @@ func (c *Cluster) publish(l *clusterLayout) {
 		l.slotsReply = append(l.slotsReply, rg)
 		start = end + 1
 	}
+	l.slotsRESP = appendReply(nil, l.slotsReply)
 	c.layout.Store(l)
 }
 
@@ -280,7 +282,7 @@ func (c *Cluster) SlotsReads(i int) int64 { return c.slotsReads[i].Load() }
 func (c *Cluster) command(i int, args []string) any {
 	if len(args) >= 2 && strings.EqualFold(args[1], "SLOTS") {
 		c.slotsReads[i].Add(1)
-		return c.layout.Load().slotsReply
+		return c.layout.Load().slotsRESP
 	}
 	return rerror("ERR simredis: unknown CLUSTER subcommand")
 }

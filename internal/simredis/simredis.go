@@ -289,8 +289,12 @@ func parseCommand(b []byte) (args []string, n int, err error) {
 	if err != nil || count < 1 {
 		return nil, 0, fmt.Errorf("simredis: bad array length %q", line)
 	}
-	args = make([]string, count)
-	for i := range args {
+	// Where each argument is in b, found before any is copied: a command
+	// not yet whole costs no allocation, and a whole one is copied into
+	// one string, of which the arguments are parts.
+	var buf [16]int
+	spans := buf[:0]
+	for range count {
 		if line, rest, ok = cutLine(rest); !ok {
 			return nil, 0, nil
 		}
@@ -304,10 +308,17 @@ func parseCommand(b []byte) (args []string, n int, err error) {
 		if len(rest) < size+2 {
 			return nil, 0, nil
 		}
-		args[i] = string(rest[:size])
+		from := len(b) - len(rest)
+		spans = append(spans, from, from+size)
 		rest = rest[size+2:]
 	}
-	return args, len(b) - len(rest), nil
+	n = len(b) - len(rest)
+	all := string(b[:n])
+	args = make([]string, count)
+	for i := range args {
+		args[i] = all[spans[2*i]:spans[2*i+1]]
+	}
+	return args, n, nil
 }
 
 // cutLine returns b's first line without its CRLF, and what follows it;
@@ -324,6 +335,10 @@ func cutLine(b []byte) (line, rest []byte, ok bool) {
 type (
 	status string
 	rerror string
+	// encoded is a reply already in RESP2, for the large ones that do
+	// not change (COMMAND, a layout's CLUSTER SLOTS): encoded once, not
+	// at every call.
+	encoded []byte
 )
 
 // appendReply appends v in RESP2 to b.
@@ -335,6 +350,8 @@ func appendReply(b []byte, v any) []byte {
 		return append(append(append(b, '+'), v...), "\r\n"...)
 	case rerror:
 		return append(append(append(b, '-'), v...), "\r\n"...)
+	case encoded:
+		return append(b, v...)
 	case int64:
 		return append(strconv.AppendInt(append(b, ':'), v, 10), "\r\n"...)
 	case string:
@@ -361,7 +378,7 @@ func (s *Server) do(b []byte, args []string, tag int) []byte {
 // command runs one command. command requires that s.mu is held.
 func (s *Server) command(args []string, tag int) any {
 	now := s.now()
-	name := strings.ToUpper(args[0])
+	name := upper(args[0])
 	if m := s.redirect(name, args); m != "" {
 		return rerror(m)
 	}
@@ -371,7 +388,7 @@ func (s *Server) command(args []string, tag int) any {
 	case "CLIENT", "SELECT", "READONLY", "READWRITE", "ASKING":
 		return status("OK")
 	case "COMMAND":
-		return commandTable
+		return commandReply
 	case "CLUSTER":
 		if s.clusterCmd == nil {
 			return rerror("ERR This instance has cluster support disabled")
@@ -478,6 +495,40 @@ func (s *Server) command(args []string, tag int) any {
 	return rerror(fmt.Sprintf("ERR unknown command '%s', with args beginning with: ", args[0]))
 }
 
+// upper is strings.ToUpper, without its copy for the names go-redis sends
+// (in lower case), which would be one allocation per command.
+func upper(name string) string {
+	switch name {
+	case "evalsha":
+		return "EVALSHA"
+	case "eval":
+		return "EVAL"
+	case "ping":
+		return "PING"
+	case "client":
+		return "CLIENT"
+	case "cluster":
+		return "CLUSTER"
+	case "script":
+		return "SCRIPT"
+	case "hello":
+		return "HELLO"
+	case "time":
+		return "TIME"
+	case "get":
+		return "GET"
+	case "del":
+		return "DEL"
+	case "pttl":
+		return "PTTL"
+	case "command":
+		return "COMMAND"
+	case "readonly":
+		return "READONLY"
+	}
+	return strings.ToUpper(name)
+}
+
 // commandTable is COMMAND's reply for the commands the server knows, in
 // Redis 5's shape (name, arity, flags, first key, last key, step), which
 // go-redis's ClusterClient reads to find a command's key.
@@ -504,6 +555,9 @@ var commandTable = func() []any {
 	}
 	return t
 }()
+
+// commandReply is commandTable in RESP2.
+var commandReply = encoded(appendReply(nil, commandTable))
 
 // number is Lua's tonumber on a string: nil (ok false) when it is not one.
 func number(s string) (float64, bool) {
