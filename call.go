@@ -188,7 +188,7 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 		lim.relayoutAfterFailure()
 	case breaker.Success:
 		nd.failing.Store(false)
-		if lim.pending.Load() {
+		if nd.owedCharges.Load() || lim.pending.Load() {
 			lim.owe()
 		}
 		if lim.cluster != nil {

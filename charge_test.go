@@ -5,6 +5,7 @@ import (
 	"net"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -242,4 +243,97 @@ func (r *chargeRig) sent(key string) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.sentTo[DefaultPrefix+key]
+}
+
+// TestRefundedPendingChargeIsDropped: a local admission's charge goes
+// unanswered, then the caller refunds the admission (a later rule refused
+// the request). Nothing is owed on the key any more: its pending charge
+// must be dropped, not kept for OnceFor, during which every answer of
+// Redis would start another reconciliation, each a pass over every key.
+func TestRefundedPendingChargeIsDropped(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var passes atomic.Int64
+		cfg := Config{Limit: Limit{Rate: 0.01, Burst: 10}, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond}
+		cfg.onPass = func() { passes.Add(1) }
+		r := newChargeRig(t, cfg)
+		ctx := context.Background()
+		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("first decision: %+v, %v", d, err)
+		}
+		r.link.SetLatency(80 * time.Millisecond)
+		d, err := r.lim.AllowN(ctx, "k", 5)
+		if err != nil || !d.Allowed || d.Mode != ModeLocal {
+			t.Fatalf("AllowN(5) = %+v, %v; want a local admission", d, err)
+		}
+		time.Sleep(60 * time.Millisecond) // the decision's late reply
+		r.link.SetLatency(0)
+		r.link.Hang()
+		time.Sleep(100 * time.Millisecond) // the charge meets the hang
+		r.link.Reset()                     // and dies unread
+		r.link.Resume()
+		if err := r.lim.Refund(ctx, "k", d, 5); err != nil {
+			t.Fatal(err)
+		}
+		before := passes.Load()
+		for i := range 100 { // 10 s of decisions of Redis on other keys
+			time.Sleep(100 * time.Millisecond)
+			if d, err := r.lim.Allow(ctx, "j"+strconv.Itoa(i%5)); err != nil || d.Mode != ModeRemote {
+				t.Fatalf("Allow(j) = %+v, %v; want a decision of Redis", d, err)
+			}
+		}
+		if n := passes.Load() - before; n > 3 {
+			t.Errorf("%d reconciliations in 10 s of a healthy Redis with nothing owed; want at most 3", n)
+		}
+	})
+}
+
+// TestPendingChargeOfADownNode: on a Cluster, a key's charge goes
+// unanswered on its master, which then stays down (no failover yet). The
+// other masters' answers cannot send it: each must not start a
+// reconciliation, a pass over every key, every reconcileAfter.
+func TestPendingChargeOfADownNode(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var passes atomic.Int64
+		cfg := Config{Limit: Limit{Rate: 1000, Burst: 1000}, Timeout: 50 * time.Millisecond, Heartbeat: -1, Instances: 1,
+			Breaker: BreakerConfig{Failures: 3}}
+		cfg.onPass = func() { passes.Add(1) }
+		cl, links, lim := onSimCluster(t, cfg, false)
+		ctx := context.Background()
+		const key = "k"
+		shard := cl.ShardOf(DefaultPrefix + key)
+		var others []string
+		for i := 0; len(others) < 10; i++ {
+			if k := "o" + strconv.Itoa(i); cl.ShardOf(DefaultPrefix+k) != shard {
+				others = append(others, k)
+			}
+		}
+		time.Sleep(time.Second)
+		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("before the fault: %+v, %v", d, err)
+		}
+		hangMaster(t, cl, links, shard)
+		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeLocal {
+			t.Fatalf("on the hung master: %+v, %v", d, err)
+		}
+		time.Sleep(200 * time.Millisecond) // its charge goes, unanswered
+		for range 5 {
+			lim.Allow(ctx, key) // the breaker opens
+		}
+		lim.reconciling <- struct{}{}
+		left := len(lim.unanswered[key])
+		<-lim.reconciling
+		if left == 0 {
+			t.Fatal("no charge of k pending: the test proves nothing")
+		}
+		before := passes.Load()
+		for i := range 100 { // 10 s of decisions on the healthy masters
+			time.Sleep(100 * time.Millisecond)
+			if d, err := lim.Allow(ctx, others[i%len(others)]); err != nil || d.Mode != ModeRemote {
+				t.Fatalf("Allow on a healthy master = %+v, %v", d, err)
+			}
+		}
+		if n := passes.Load() - before; n > 3 {
+			t.Errorf("%d reconciliations in 10 s, none able to send k's charge; want at most 3", n)
+		}
+	})
 }

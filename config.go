@@ -198,6 +198,9 @@ type Config struct {
 	// instance's weight. The accuracy tests set them to measure each
 	// mechanism.
 	noCache, noHandoff, noReconcile, noKeyShares bool
+	// onPass, if set, is called at the start of every reconciliation
+	// pass, which tests count.
+	onPass func()
 }
 
 // Errors returned by New and Limiter methods. Test for them with errors.Is.

@@ -153,8 +153,9 @@ type Limiter struct {
 	// unanswered holds, by key, the charges sent and not answered: sent
 	// again under the same Once, Redis applies each at most once.
 	unanswered map[string][]pendingCharge
-	// pending is set while unanswered holds charges: a node's answer
-	// then asks for a reconciliation, which sends them again.
+	// pending is set while unanswered holds charges of keys with no known
+	// node: any node's answer then asks for a reconciliation. Those with
+	// a node set its owedCharges instead.
 	pending  atomic.Bool
 	onces    uint64     // charges named so far
 	onceBase string     // this Limiter's part of every Once, random
@@ -218,6 +219,10 @@ type node struct {
 	// a call, kept to within a tenth of quietFor: calls to a node quiet for
 	// longer, or never heard, are watched for a failover (watch).
 	answered atomic.Int64
+	// owedCharges is set while a charge of a key routed to this node is
+	// pending (Limiter.unanswered): its answers then ask for a
+	// reconciliation. Another node's answers cannot send it again.
+	owedCharges atomic.Bool
 	// direct is the pipe of a Cluster node's probes, to its own address;
 	// made once, by the prober (probePipe).
 	once   sync.Once

@@ -95,6 +95,9 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 		return // owed to the next reconciliation
 	}
 	defer func() { <-lim.reconciling }()
+	if lim.cfg.onPass != nil {
+		lim.cfg.onPass()
+	}
 	reachable := func(key string) *node {
 		nd := lim.route(lim.cfg.Prefix + key)
 		if nd == nil || nd != probing && (only || nd.cb.State() != breaker.StateClosed) {
@@ -122,8 +125,38 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 	// However the pass ends, what is left unanswered is sent again at the
 	// next reconciliation, which a node's next answer asks for (see send):
 	// neither a breaker closing nor a local decision may come again.
-	defer func() { lim.pending.Store(len(lim.unanswered) > 0) }()
-	lim.shares.Drain(now, func(key string) bool { return reachable(key) != nil }, func(key string, spent float64) {
+	//
+	// Only the pending charges' own nodes ask: another node's answers
+	// (a Cluster whose node of the key is down) would start a full pass
+	// every reconcileAfter that can do nothing for them. pending is left
+	// for keys with no known node.
+	defer func() {
+		owing := map[*node]bool{}
+		unrouted := false
+		for key := range lim.unanswered {
+			if nd := lim.route(lim.cfg.Prefix + key); nd != nil {
+				owing[nd] = true
+			} else {
+				unrouted = true
+			}
+		}
+		lim.forNodes(func(nd *node) { nd.owedCharges.Store(owing[nd]) })
+		lim.pending.Store(unrouted)
+	}()
+	// Keys with a pending charge that Drain looked at (their node is
+	// reachable) and did not report owe nothing any more (a refund took
+	// it off): their charges are dropped, not kept for OnceFor.
+	looked, reported := map[string]bool{}, map[string]bool{}
+	lim.shares.Drain(now, func(key string) bool {
+		ok := reachable(key) != nil
+		if _, p := lim.unanswered[key]; ok && p {
+			looked[key] = true
+		}
+		return ok
+	}, func(key string, spent float64) {
+		if looked[key] {
+			reported[key] = true
+		}
 		nd := reachable(key)
 		var own limits
 		ls, err := lim.limitFor(key, &own)
@@ -156,6 +189,11 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 			add(pendingCharge{once: lim.onceBase + strconv.FormatUint(lim.onces, 36), spent: spent, sent: now})
 		}
 	})
+	for key := range lim.unanswered {
+		if looked[key] && !reported[key] {
+			delete(lim.unanswered, key)
+		}
+	}
 	if len(charges) == 0 {
 		return
 	}
