@@ -3,6 +3,7 @@ package hybridlimit
 import (
 	"context"
 	"net"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -336,4 +337,71 @@ func TestPendingChargeOfADownNode(t *testing.T) {
 			t.Errorf("%d reconciliations in 10 s, none able to send k's charge; want at most 3", n)
 		}
 	})
+}
+
+// TestRefusedChargeIsNotResentAtOnce: Redis answers a charge with an error
+// that says nothing of the node (NOPERM: an ACL that does not cover the
+// key). The answer must not ask for the next pass, which would send the
+// charge to be refused again: a pass and a refusal every reconcileAfter,
+// with no traffic at all.
+func TestRefusedChargeIsNotResentAtOnce(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var passes atomic.Int64
+		cfg := Config{Limit: Limit{Rate: 0.01, Burst: 10}, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond}
+		cfg.onPass = func() { passes.Add(1) }
+		r := newChargeRig(t, cfg)
+		refused := &refuseCharges{key: DefaultPrefix + "k"}
+		r.lim.cfg.Redis.(*redis.Client).AddHook(refused)
+		ctx := context.Background()
+		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("first decision: %+v, %v", d, err)
+		}
+		r.link.SetLatency(80 * time.Millisecond)
+		if d, err := r.lim.AllowN(ctx, "k", 5); err != nil || !d.Allowed || d.Mode != ModeLocal {
+			t.Fatalf("AllowN(5) = %+v, %v; want a local admission", d, err)
+		}
+		time.Sleep(60 * time.Millisecond) // the decision's late reply
+		r.link.SetLatency(0)
+		time.Sleep(200 * time.Millisecond) // the charge, refused
+		if d, err := r.lim.Allow(ctx, "j"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("Allow(j) = %+v, %v; want a decision of Redis", d, err)
+		}
+		before, sent := passes.Load(), refused.n.Load()
+		if sent == 0 {
+			t.Fatal("no charge of k was refused: the test proves nothing")
+		}
+		time.Sleep(10 * time.Second) // no traffic
+		if n, m := passes.Load()-before, refused.n.Load()-sent; n > 3 || m > 3 {
+			t.Errorf("%d reconciliations and %d charges refused in 10 s with no traffic; want at most 3 of each", n, m)
+		}
+	})
+}
+
+// refuseCharges is a go-redis hook that answers every charge of key alone
+// with NOPERM, without sending it, and counts them.
+type refuseCharges struct {
+	key string
+	n   atomic.Int64
+}
+
+type noPerm struct{}
+
+func (noPerm) Error() string { return "NOPERM this user has no permissions to access one of the keys" }
+func (noPerm) RedisError()   {}
+
+func (h *refuseCharges) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *refuseCharges) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if slices.Contains(cmd.Args(), any(h.key)) && slices.Contains(cmd.Args(), any("charge")) {
+			h.n.Add(1)
+			cmd.SetErr(noPerm{})
+			return cmd.Err()
+		}
+		return next(ctx, cmd)
+	}
+}
+
+func (h *refuseCharges) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
 }

@@ -215,12 +215,22 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 			// paused Redis may run it when it resumes (go-redis cannot say
 			// whether it was written): it goes again under the same Once,
 			// which Redis applies at most once.
-			if _, o := lim.call(ctx, c.nd, p, c.req); o == answered {
+			_, o := lim.call(ctx, c.nd, p, c.req)
+			if o == answered {
 				lim.shares.Settle(c.key, c.spent)
 				return
 			}
 			mu.Lock()
 			failed++
+			if o == badValue {
+				// Redis refused it with an error (an ACL, say): it took
+				// nothing and would refuse it again. Kept pending, its own
+				// answer would ask for the next pass (see send): a pass
+				// and a refusal every reconcileAfter. It stays owed, for
+				// the next pass something else starts.
+				mu.Unlock()
+				return
+			}
 			// Perhaps run: the next one goes under this Once, which is
 			// harmless if this one never left.
 			lim.unanswered[c.key] = append(lim.unanswered[c.key], pendingCharge{once: c.req.Once, spent: c.spent, sent: c.first})
