@@ -160,20 +160,7 @@ func TestUnansweredChargeIsSentAgain(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
 		ctx := context.Background()
-		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("first decision: %+v, %v", d, err)
-		}
-		r.link.SetLatency(80 * time.Millisecond)
-		d, err := r.lim.AllowN(ctx, "k", 5)
-		if err != nil || !d.Allowed || d.Mode != ModeLocal {
-			t.Fatalf("AllowN(5) = %+v, %v; want a local admission", d, err)
-		}
-		time.Sleep(60 * time.Millisecond) // the decision's late reply
-		r.link.SetLatency(0)
-		r.link.Hang()
-		time.Sleep(100 * time.Millisecond) // the charge meets the hang
-		r.link.Reset()                     // and dies unread
-		r.link.Resume()
+		r.unansweredCharge(t, "k", 5)
 		for range 10 { // Redis decides again, on another key
 			time.Sleep(time.Second)
 			if d, err := r.lim.Allow(ctx, "j"); err != nil || d.Mode != ModeRemote {
@@ -232,6 +219,30 @@ func newChargeRig(t *testing.T, cfg Config) *chargeRig {
 	return r
 }
 
+// unansweredCharge makes a local admission of n tokens of key (its call's
+// reply comes after the budget, the breaker staying closed), whose charge
+// 100 ms later meets a hung connection that is then reset: it never ran.
+// Redis answers again at once.
+func (r *chargeRig) unansweredCharge(t *testing.T, key string, n int64) Decision {
+	t.Helper()
+	ctx := context.Background()
+	if d, err := r.lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
+		t.Fatalf("first decision: %+v, %v", d, err)
+	}
+	r.link.SetLatency(80 * time.Millisecond)
+	d, err := r.lim.AllowN(ctx, key, n)
+	if err != nil || !d.Allowed || d.Mode != ModeLocal {
+		t.Fatalf("AllowN(%d) = %+v, %v; want a local admission", n, d, err)
+	}
+	time.Sleep(60 * time.Millisecond) // the decision's late reply
+	r.link.SetLatency(0)
+	r.link.Hang()
+	time.Sleep(100 * time.Millisecond) // the charge meets the hang
+	r.link.Reset()                     // and dies unread
+	r.link.Resume()
+	return d
+}
+
 // charged returns the tokens of rl that Redis applied in charges of key.
 func (r *chargeRig) charged(key string, rl remote.Limit) float64 {
 	r.mu.Lock()
@@ -258,20 +269,7 @@ func TestRefundedPendingChargeIsDropped(t *testing.T) {
 		cfg.onPass = func() { passes.Add(1) }
 		r := newChargeRig(t, cfg)
 		ctx := context.Background()
-		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("first decision: %+v, %v", d, err)
-		}
-		r.link.SetLatency(80 * time.Millisecond)
-		d, err := r.lim.AllowN(ctx, "k", 5)
-		if err != nil || !d.Allowed || d.Mode != ModeLocal {
-			t.Fatalf("AllowN(5) = %+v, %v; want a local admission", d, err)
-		}
-		time.Sleep(60 * time.Millisecond) // the decision's late reply
-		r.link.SetLatency(0)
-		r.link.Hang()
-		time.Sleep(100 * time.Millisecond) // the charge meets the hang
-		r.link.Reset()                     // and dies unread
-		r.link.Resume()
+		d := r.unansweredCharge(t, "k", 5)
 		if err := r.lim.Refund(ctx, "k", d, 5); err != nil {
 			t.Fatal(err)
 		}
