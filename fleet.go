@@ -21,10 +21,18 @@ type fleet struct {
 	weight float64 // this instance's part of each limit, in [0, 1]
 	size   int     // instances counted in the window read, this one included
 	window int64   // the window weight was read from; 0 before any
-	raw    float64 // the part that window alone gives
+	// known is the last window read, if every window after window up to
+	// it was read and had no reports; else window.
+	known int64
+	// prior is the window before whose part weight is the lesser of
+	// (the last one with reports before window, unless weigh had to take
+	// an older one); 0 if none.
+	prior int64
+	raw   float64 // the part that window alone gives
 	// even is the even part of a key's share, (evenPart-reservePart)/n
-	// for the larger n of window and the one before, if this instance
-	// was counted in both; 0 if not, and then it holds no per-key share.
+	// for the larger n of window and the one before it with reports, if
+	// this instance was counted in both and knows it read the one before;
+	// 0 if not, and then it holds no per-key share.
 	even    float64
 	counted bool // this instance was counted in window
 }
@@ -234,10 +242,11 @@ func (h *heart) count() {
 	h.counting, h.due = false, h.end.Add(h.offset)
 }
 
-// mine returns this instance's report in the window read, k-2, if Redis
-// took it, else -1: it was not counted there, or may not have been.
-func (h *heart) mine() int64 {
-	if r := h.sent[(h.k-2)%4]; r.window == h.k-2 && r.taken {
+// mine returns this instance's report in window w (one of the last four),
+// if Redis took it, else -1: it was not counted there, or may not have
+// been.
+func (h *heart) mine(w int64) int64 {
+	if r := h.sent[w%4]; r.window == w && r.taken {
 		return r.tokens
 	}
 	return -1
@@ -265,7 +274,7 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 		// at most 1 either way).
 		lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", b.Err)
 	default:
-		lim.view.Store(weigh(b.Heartbeat, h.mine(), lim.view.Load()))
+		lim.view.Store(weigh(b.Heartbeat, h.mine(h.k-2), h.mine(h.k-3), lim.view.Load()))
 		rtt := got.Sub(sent)
 		h.skew = time.UnixMilli(b.Heartbeat.Now).Sub(sent.Add(rtt / 2))
 		taken = b.Heartbeat.Taken
@@ -423,9 +432,12 @@ func (p *pacer) run() {
 			case h.skip():
 				h.answer(nil, now, now)
 			default:
-				mine := h.mine()
+				// The window read is k-2; one that did not read the
+				// one before asks for it too (see weigh).
+				before := h.lim.view.Load().known < h.k-3
 				beats = append(beats, remote.Beat{Base: h.lim.fleetKey(), Window: h.k,
-					Offered: h.offered, Ticket: mine < 0, Every: h.every})
+					Offered: h.offered, Ticket: h.mine(h.k-2) < 0, Every: h.every,
+					Before: before, BeforeTicket: before && h.mine(h.k-3) < 0})
 				sending = append(sending, h)
 				every = max(every, h.every)
 			}
@@ -473,7 +485,9 @@ func (q *heartHeap) Pop() any {
 	return h
 }
 
-// weigh returns the view after heartbeat h, given the view before, prev.
+// weigh returns the view after heartbeat h, given the view before, prev;
+// mine and before are this instance's reports in the window h read and
+// the one before it (-1: not counted there, or not known to be).
 //
 // The window h describes was reported by Reporters instances, Total tokens
 // in all, and every instance that reads it reads the same numbers. One
@@ -488,42 +502,73 @@ func (q *heartHeap) Pop() any {
 // parts of all instances add up to at most 1.
 //
 // Instances read a window at different times in the next one, so at any
-// moment some hold the parts of window m and others those of m+1. Each
-// takes the lesser of its parts in the last two windows it read, and the
-// sum stays at most 1 across that boundary too: every part held is at most
+// moment some hold the parts of window m and others those of the window
+// before, m-1. Each holds the lesser of its parts in the two, and the sum
+// stays at most 1 across that boundary too: every part held is at most
 // the part of the one window all of them read. The cost is that a share
-// follows rising traffic a window later than falling traffic.
+// follows rising traffic a window later than falling traffic. A window
+// that nobody reported for leaves every view as it was, so "the window
+// before" is the last one with reports. An instance that did not read it
+// (its heartbeat failed, or its breaker was open) gets it from Redis with
+// window m (h.Before), with a ticket if it was not counted there, even if
+// window m has no reports. Only if Redis could not give it (the heartbeat
+// was more than a window late, or window m-1 had no reports and the
+// instance missed m-2 too) is the part of the instance's last view taken
+// instead, which may be older: the bound then holds if every window
+// between had no reports (a whole fleet back from an outage), and may not
+// otherwise.
 //
 // Before any window was reported (the fleet has just started, or Redis
 // was away for a whole window) the view stays as it was: 1/Instances
 // before the first heartbeat.
-func weigh(h remote.Heartbeat, mine int64, prev *fleet) *fleet {
+func weigh(h remote.Heartbeat, mine, before int64, prev *fleet) *fleet {
 	m := h.Window
-	if h.Reporters == 0 || m == prev.window {
+	if m <= prev.known {
+		return prev // read already
+	}
+	if b := h.Before; b.Read && prev.known < m-1 {
+		prev = weigh(remote.Heartbeat{Window: m - 1, Reporters: b.Reporters, Total: b.Total, Ticket: b.Ticket}, before, -1, prev)
+	}
+	if h.Reporters == 0 {
+		if prev.known == m-1 && prev.window > 0 {
+			v := *prev
+			v.known = m
+			return &v
+		}
 		return prev
 	}
-	n := float64(h.Reporters)
-	v := &fleet{size: int(h.Reporters), window: m}
-	v.counted = mine >= 0 && mine <= h.Total
-	if v.counted && prev.counted && prev.window == m-1 {
+	v := part(m, h.Reporters, h.Total, h.Ticket, mine)
+	v.weight = v.raw
+	if prev.window > 0 {
+		v.weight = min(v.raw, prev.raw)
+		v.prior = prev.window
+	}
+	if prev.known >= m-1 && v.counted && prev.counted {
 		v.even = (evenPart - reservePart) / float64(max(prev.size, v.size))
 	}
+	return v
+}
+
+// part returns the view of window m alone, reported by reporters
+// instances, total tokens in all, given this instance's report mine (-1:
+// not counted) and its ticket.
+func part(m, reporters, total, ticket, mine int64) *fleet {
+	n := float64(reporters)
+	v := &fleet{size: int(reporters), window: m, known: m}
+	v.counted = mine >= 0 && mine <= total
 	if v.counted {
 		part := 1 / n
-		if h.Total > 0 {
-			part = float64(mine) / float64(h.Total)
+		if total > 0 {
+			part = float64(mine) / float64(total)
 		}
 		v.raw = (1-evenPart)*part + (evenPart-reservePart)/n
 	} else {
-		if h.Ticket > 0 { // else counted, Redis says, in nothing: no part
-			v.raw = math.Ldexp(reservePart, -int(min(h.Ticket, 1100)))
+		if ticket > 0 { // else counted, Redis says, in nothing: no part
+			v.raw = math.Ldexp(reservePart, -int(min(ticket, 1100)))
 		}
 		v.size++
 	}
 	v.weight = v.raw
-	if prev.window == m-1 {
-		v.weight = min(v.raw, prev.raw)
-	}
 	return v
 }
 

@@ -2,13 +2,15 @@
 --
 -- KEYS[1]  the hash of window j, which this instance reports for
 -- KEYS[2]  the hash of window i, which it reads
+-- KEYS[3]  the hash of window i-1, read too if ARGV[5] asks for it
 --          (the caller gives every key of a group one hash tag, so that
 --          they share a Cluster slot)
 -- ARGV[1]  j: window j covers [j*w, (j+1)*w) ms of Redis TIME
 -- ARGV[2]  its report, packed: tokens * 2^20 + 1
 -- ARGV[3]  i
 -- ARGV[4]  w, the window in milliseconds (the group's Heartbeat)
--- ARGV[5]  '1' if it wants a ticket for window i, else '0'
+-- ARGV[5]  what it asks for, the sum of: 1 a ticket for window i; 2 window
+--          i-1's sum too; 4 a ticket for window i-1 (with 2)
 -- ARGV[6]  optional: Redis's clock in microseconds, read by the client
 --          outside the script, for a Redis that refuses TIME in scripts
 --
@@ -21,19 +23,29 @@
 -- the parts computed from it add up to at most 1. An instance that was
 -- not counted in the window it reads (it has just started, or its report
 -- was lost) takes a ticket '#c' instead, which gives it a part of a
--- reserve (see fleet.go).
+-- reserve (see fleet.go). An instance that did not read window i-1 (its
+-- heartbeat failed, or its breaker was open) asks for that window too:
+-- each instance holds the lesser of its parts in two windows read in a
+-- row, so that the parts held while some have read window i and others
+-- only i-1 add up to at most 1 (see weigh in fleet.go).
 --
 -- The script runs on the one shard every instance of the group shares, so
 -- it does as little as it can: TIME, one HINCRBY and one HGET whatever the
 -- fleet's size, the packed numbers passed through as strings. Its reply:
 --   {now_ms, taken (1 or 0), sum ('#t' of window i, or 0), ticket (or 0)}
+-- and, if window i-1 was asked for, window i is closed and window i-1's
+-- hash cannot have expired (i >= r-4), two more:
+--   {..., sum of window i-1 (or 0: nobody reported for it), its ticket}
 -- sum is 0 if window i is not closed yet, or nobody reported for it. A
--- window's hash expires once it can no longer be read.
+-- window's hash expires once it can no longer be read, as window i or as
+-- window i-1.
 
 -- The report is checked by HINCRBY (an integer, or an error before any
 -- write); the windows here.
 local j, i, w = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if not (j and i and w) or j % 1 ~= 0 or i % 1 ~= 0 or w < 1 or w % 1 ~= 0 then
+local want = tonumber(ARGV[5])
+if not (j and i and w and want) or j % 1 ~= 0 or i % 1 ~= 0 or w < 1 or w % 1 ~= 0
+    or want % 1 ~= 0 or want < 0 or want > 7 or (want >= 2 and not KEYS[3]) then
   return redis.error_reply('ERR hybridlimit fleet: bad arguments')
 end
 
@@ -56,18 +68,28 @@ if j >= r - 2 and j <= r then
   local sum = redis.call('HINCRBY', KEYS[1], '#t', ARGV[2])
   taken = 1
   if sum == tonumber(ARGV[2]) then
-    -- The first report: window j is read until window j+4 ends.
-    redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', (j + 5) * w))
+    -- The first report: window j is read, as window i or i-1, until
+    -- window j+5 ends.
+    redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', (j + 6) * w))
   end
 end
 
 if i <= r - 3 then
   local sum = redis.call('HGET', KEYS[2], '#t')
-  if sum then
-    if ARGV[5] == '1' then
-      return {now, taken, sum, redis.call('HINCRBY', KEYS[2], '#c', 1)}
+  local ticket = 0
+  if sum and want % 2 == 1 then
+    ticket = redis.call('HINCRBY', KEYS[2], '#c', 1)
+  end
+  if want % 4 >= 2 and i >= r - 4 then
+    local before = redis.call('HGET', KEYS[3], '#t')
+    local bticket = 0
+    if before and want >= 4 then
+      bticket = redis.call('HINCRBY', KEYS[3], '#c', 1)
     end
-    return {now, taken, sum, 0}
+    return {now, taken, sum or 0, ticket, before or 0, bticket}
+  end
+  if sum then
+    return {now, taken, sum, ticket}
   end
 end
 return {now, taken, 0, 0}

@@ -26,6 +26,18 @@ type Heartbeat struct {
 	Reporters int64 // instances that reported for Window; 0: none, or not closed yet
 	Total     int64 // tokens they reported, in all
 	Ticket    int64 // if asked for and Reporters > 0: its place among those not counted
+	// Before is window Window-1, if the Beat asked for it and Window was
+	// closed: an instance that did not read that window when its turn
+	// came reads it with the next.
+	Before Reading
+}
+
+// Reading is what Redis holds of one more window, read with another.
+type Reading struct {
+	Read      bool  // Redis read the window (Redis was no more than a window late for it)
+	Reporters int64 // instances that reported for it; 0: none
+	Total     int64 // tokens they reported, in all
+	Ticket    int64 // if asked for and Reporters > 0: its place among those not counted
 }
 
 // A report is packed as tokens<<reporterBits | 1, so that one HINCRBY
@@ -60,13 +72,16 @@ func Fleet(ctx context.Context, c redis.UniversalClient, base string, window, of
 // Beat is one heartbeat of Beats: the arguments of Fleet, and what came
 // of it.
 type Beat struct {
-	Base      string
-	Window    int64
-	Offered   int64
-	Ticket    bool
-	Every     time.Duration
-	Heartbeat Heartbeat // set by Beats if Err is nil
-	Err       error
+	Base    string
+	Window  int64
+	Offered int64
+	Ticket  bool
+	Every   time.Duration
+	// Before asks for window Window-3 too (Heartbeat.Before), and
+	// BeforeTicket for a ticket in it.
+	Before, BeforeTicket bool
+	Heartbeat            Heartbeat // set by Beats if Err is nil
+	Err                  error
 }
 
 // Beats sends every heartbeat of beats as Fleet would, in one pipeline:
@@ -112,14 +127,26 @@ func Beats(ctx context.Context, c redis.UniversalClient, n *Node, beats []Beat) 
 func beatCmd(ctx context.Context, b *Beat, v verb, now int64) noRetryCmd {
 	read := b.Window - 2
 	report := min(max(b.Offered, 0), MaxReport)<<reporterBits | 1
-	want := "0"
+	want := 0
 	if b.Ticket {
-		want = "1"
+		want |= 1
 	}
-	args := []any{fleetScript.head[v][0], fleetScript.head[v][1], 2,
-		b.Base + ":" + strconv.FormatInt(b.Window, 10), b.Base + ":" + strconv.FormatInt(read, 10),
-		strconv.FormatInt(b.Window, 10), strconv.FormatInt(report, 10),
-		strconv.FormatInt(read, 10), strconv.FormatInt(b.Every.Milliseconds(), 10), want}
+	keys := 2
+	if b.Before {
+		want |= 2
+		keys = 3
+		if b.BeforeTicket {
+			want |= 4
+		}
+	}
+	args := make([]any, 0, 12)
+	args = append(args, fleetScript.head[v][0], fleetScript.head[v][1], keys,
+		b.Base+":"+strconv.FormatInt(b.Window, 10), b.Base+":"+strconv.FormatInt(read, 10))
+	if b.Before {
+		args = append(args, b.Base+":"+strconv.FormatInt(read-1, 10))
+	}
+	args = append(args, strconv.FormatInt(b.Window, 10), strconv.FormatInt(report, 10),
+		strconv.FormatInt(read, 10), strconv.FormatInt(b.Every.Milliseconds(), 10), strconv.Itoa(want))
 	if now != 0 {
 		args = append(args, formatMicros(now))
 	}
@@ -130,26 +157,43 @@ func beatCmd(ctx context.Context, b *Beat, v verb, now int64) noRetryCmd {
 // it is not what the script returns.
 func parseHeartbeat(reply any) (Heartbeat, error) {
 	vals, ok := reply.([]any)
-	if !ok || len(vals) != 4 {
+	if !ok || len(vals) != 4 && len(vals) != 6 {
 		return Heartbeat{}, fmt.Errorf("%w: fleet reply %T of %d", ErrReply, reply, len(vals))
 	}
 	now, ok1 := vals[0].(int64)
 	taken, ok2 := vals[1].(int64)
-	ticket, ok3 := vals[3].(int64)
-	var sum int64
-	var ok4 bool
-	switch x := vals[2].(type) {
-	case int64: // none
-		sum, ok4 = 0, x == 0
-	case string:
-		p, err := strconv.ParseInt(x, 10, 64)
-		sum, ok4 = p, err == nil && p > 0 && p&(1<<reporterBits-1) > 0
-	}
-	if !ok1 || !ok2 || !ok3 || !ok4 || now <= 0 || taken != 0 && taken != 1 || ticket < 0 || sum == 0 && ticket != 0 {
+	r, ok3 := parseReading(vals[2], vals[3])
+	if !ok1 || !ok2 || !ok3 || now <= 0 || taken != 0 && taken != 1 {
 		return Heartbeat{}, fmt.Errorf("%w: fleet reply %v", ErrReply, vals)
 	}
-	return Heartbeat{Now: now, Taken: taken == 1, Reporters: sum & (1<<reporterBits - 1),
-		Total: sum >> reporterBits, Ticket: ticket}, nil
+	h := Heartbeat{Now: now, Taken: taken == 1, Reporters: r.Reporters, Total: r.Total, Ticket: r.Ticket}
+	if len(vals) == 6 {
+		if h.Before, ok = parseReading(vals[4], vals[5]); !ok {
+			return Heartbeat{}, fmt.Errorf("%w: fleet reply %v", ErrReply, vals)
+		}
+	}
+	return h, nil
+}
+
+// parseReading parses one window's sum ('#t' as a string, or 0 for none)
+// and ticket, as the script returns them.
+func parseReading(s, t any) (Reading, bool) {
+	ticket, ok := t.(int64)
+	var sum int64
+	switch x := s.(type) {
+	case int64: // none
+		ok = ok && x == 0
+	case string:
+		p, err := strconv.ParseInt(x, 10, 64)
+		sum = p
+		ok = ok && err == nil && p > 0 && p&(1<<reporterBits-1) > 0
+	default:
+		ok = false
+	}
+	if !ok || ticket < 0 || sum == 0 && ticket != 0 {
+		return Reading{}, false
+	}
+	return Reading{Read: true, Reporters: sum & (1<<reporterBits - 1), Total: sum >> reporterBits, Ticket: ticket}, true
 }
 
 // Load loads every script of this package into the script cache of c's

@@ -427,12 +427,41 @@ func TestFleet(t *testing.T) {
 	check("not counted either", beat(k+2, 0, true), Heartbeat{Taken: true, Reporters: 3, Total: 100, Ticket: 2})
 	at(k+5, 10*time.Millisecond)
 	check("reads k+2", beat(k+4, 1, false), Heartbeat{Taken: true, Reporters: 3, Total: 1000})
-	// Window k+2's hash can be read until window k+6 ends: its first
-	// report, at window k+3 plus 50ms, set it to expire then (miniredis
-	// does not count TTLs down with SetTime).
-	if ttl := m.TTL("{fleet}:" + strconv.FormatInt(k+2, 10)); ttl != 4*time.Second-50*time.Millisecond {
-		t.Errorf("TTL of window k+2's hash = %v; want until window k+7", ttl)
+	// Window k+2's hash can be read until window k+7 ends, as window i
+	// or as window i-1: its first report, at window k+3 plus 50ms, set it
+	// to expire then (miniredis does not count TTLs down with SetTime).
+	if ttl := m.TTL("{fleet}:" + strconv.FormatInt(k+2, 10)); ttl != 5*time.Second-50*time.Millisecond {
+		t.Errorf("TTL of window k+2's hash = %v; want until window k+8", ttl)
 	}
+
+	// An instance that did not read window k+1 (nobody reported for it)
+	// or k+2 reads them with the next window, as long as Redis is not
+	// more than a window late for them; and a ticket in the window
+	// before if it asks.
+	before := func(window int64, ticket, beforeTicket bool) Heartbeat {
+		t.Helper()
+		b := []Beat{{Base: "{fleet}", Window: window, Offered: 7, Ticket: ticket, Every: every, Before: true, BeforeTicket: beforeTicket}}
+		Beats(ctx, c, nil, b)
+		if b[0].Err != nil {
+			t.Fatalf("Beats(window %d, before) = %v", window, b[0].Err)
+		}
+		return b[0].Heartbeat
+	}
+	check("k+2 and an empty k+1", before(k+4, false, false),
+		Heartbeat{Taken: true, Reporters: 3, Total: 1000, Before: Reading{Read: true}})
+	check("an empty k+1 and k", before(k+3, false, true),
+		Heartbeat{Taken: true, Before: Reading{Read: true, Reporters: 3, Total: 100, Ticket: 3}})
+	beat(k+3, 1, false) // the other report for k+3, late
+	at(k+6, 900*time.Millisecond)
+	check("k+3 and k+2", before(k+5, true, true),
+		Heartbeat{Taken: true, Reporters: 2, Total: 8, Ticket: 1, Before: Reading{Read: true, Reporters: 3, Total: 1000, Ticket: 1}})
+	check("k+3 and k+2 again", before(k+5, false, true),
+		Heartbeat{Taken: true, Reporters: 2, Total: 8, Before: Reading{Read: true, Reporters: 3, Total: 1000, Ticket: 2}})
+	at(k+7, 10*time.Millisecond)
+	check("k+3, k+2 a window late", before(k+5, false, false),
+		Heartbeat{Taken: true, Reporters: 2, Total: 8, Before: Reading{Read: true, Reporters: 3, Total: 1000}})
+	at(k+8, 10*time.Millisecond)
+	check("k+3, k+2 too late", before(k+5, false, false), Heartbeat{Reporters: 2, Total: 8})
 }
 
 // TestFleetOverflow: on redis-server, a sum that would overflow is an

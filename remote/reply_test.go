@@ -133,6 +133,13 @@ func TestParseHeartbeat(t *testing.T) {
 		{[]any{now, int64(1), sum(100, 3), int64(0)}, Heartbeat{Now: now, Taken: true, Reporters: 3, Total: 100}},
 		{[]any{now, int64(1), sum(0, 3), int64(0)}, Heartbeat{Now: now, Taken: true, Reporters: 3}},
 		{[]any{now, int64(0), sum(100, 3), int64(2)}, Heartbeat{Now: now, Reporters: 3, Total: 100, Ticket: 2}},
+		// With the window before.
+		{[]any{now, int64(1), sum(100, 3), int64(0), sum(50, 2), int64(1)},
+			Heartbeat{Now: now, Taken: true, Reporters: 3, Total: 100, Before: Reading{Read: true, Reporters: 2, Total: 50, Ticket: 1}}},
+		{[]any{now, int64(1), sum(100, 3), int64(0), int64(0), int64(0)},
+			Heartbeat{Now: now, Taken: true, Reporters: 3, Total: 100, Before: Reading{Read: true}}},
+		{[]any{now, int64(1), int64(0), int64(0), sum(50, 2), int64(0)},
+			Heartbeat{Now: now, Taken: true, Before: Reading{Read: true, Reporters: 2, Total: 50}}},
 	} {
 		if got, err := parseHeartbeat(tc.reply); err != nil || got != tc.want {
 			t.Errorf("parseHeartbeat(%v) = %+v, %v; want %+v", tc.reply, got, err, tc.want)
@@ -150,7 +157,11 @@ func TestParseHeartbeat(t *testing.T) {
 		[]any{now, int64(0), int64(5), int64(0)},            // a sum not as a string
 		[]any{now, int64(0), int64(0), int64(1)},            // a ticket for no window
 		[]any{now, int64(0), sum(1, 1), int64(-1)},          // a negative ticket
-		[]any{now, int64(0), sum(1, 1), int64(0), int64(0)}, // too long
+		[]any{now, int64(0), sum(1, 1), int64(0), int64(0)}, // neither 4 nor 6
+		[]any{now, int64(0), sum(1, 1), int64(0), int64(0), int64(0), int64(0)},
+		[]any{now, int64(0), sum(1, 1), int64(0), int64(0), int64(1)},   // a ticket for no window before
+		[]any{now, int64(0), sum(1, 1), int64(0), "x", int64(0)},        // not a number
+		[]any{now, int64(0), sum(1, 1), int64(0), sum(1, 1), int64(-1)}, // a negative ticket
 	} {
 		if h, err := parseHeartbeat(bad); !errors.Is(err, ErrReply) {
 			t.Errorf("parseHeartbeat(%#v) = %+v, %v; want ErrReply", bad, h, err)

@@ -7,17 +7,20 @@ import (
 )
 
 // fleet is lua/fleet.lua: one heartbeat, reporting for window j in the
-// hash at report and reading window i's in the hash at read (see the
-// script for the arguments and the reply). Numbers are float64, as Lua's
-// are. fleet requires that s.mu is held.
-func (s *Server) fleet(at time.Time, report, read string, argv []string) any {
+// hash at report, reading window i's in the hash at read and, if asked
+// for, window i-1's at before ("": no third key). See the script for the
+// arguments and the reply. Numbers are float64, as Lua's are. fleet
+// requires that s.mu is held.
+func (s *Server) fleet(at time.Time, report, read, before string, argv []string) any {
 	if len(argv) < 5 {
 		return rerror("ERR Error running script: ARGV missing")
 	}
 	j, ok1 := number(argv[0])
 	i, ok2 := number(argv[2])
 	w, ok3 := number(argv[3])
-	if !ok1 || !ok2 || !ok3 || math.Mod(j, 1) != 0 || math.Mod(i, 1) != 0 || w < 1 || math.Mod(w, 1) != 0 {
+	want, ok4 := number(argv[4])
+	if !ok1 || !ok2 || !ok3 || !ok4 || math.Mod(j, 1) != 0 || math.Mod(i, 1) != 0 || w < 1 || math.Mod(w, 1) != 0 ||
+		math.Mod(want, 1) != 0 || want < 0 || want > 7 || want >= 2 && before == "" {
 		return rerror("ERR hybridlimit fleet: bad arguments")
 	}
 	var now float64
@@ -46,7 +49,7 @@ func (s *Server) fleet(at time.Time, report, read string, argv []string) any {
 		sum := hincrby(v, "#t", add)
 		taken = 1
 		if sum == add {
-			v.expire = time.UnixMilli(int64((j + 5) * w))
+			v.expire = time.UnixMilli(int64((j + 6) * w))
 			if !v.expire.After(time.UnixMilli(at.UnixMilli())) {
 				// PEXPIREAT at or before the server's clock (a window
 				// read by a client clock ahead of it) deletes the key
@@ -62,16 +65,38 @@ func (s *Server) fleet(at time.Time, report, read string, argv []string) any {
 		if e != nil {
 			return e
 		}
-		if sum, ok := hget(v, "#t"); ok {
-			ticket := int64(0)
-			if argv[4] == "1" {
-				ticket = hincrby(v, "#c", 1)
-				s.replicate(read)
+		sum, ok := hget(v, "#t")
+		ticket := int64(0)
+		if ok && math.Mod(want, 2) == 1 {
+			ticket = hincrby(v, "#c", 1)
+			s.replicate(read)
+		}
+		if math.Mod(want, 4) >= 2 && i >= r-4 {
+			b, e := s.hash(at, before, false)
+			if e != nil {
+				return e
 			}
+			bsum, bok := hget(b, "#t")
+			bticket := int64(0)
+			if bok && want >= 4 {
+				bticket = hincrby(b, "#c", 1)
+				s.replicate(before)
+			}
+			return []any{int64(now), taken, orZero(sum, ok), ticket, orZero(bsum, bok), bticket}
+		}
+		if ok {
 			return []any{int64(now), taken, sum, ticket}
 		}
 	}
 	return []any{int64(now), taken, int64(0), int64(0)}
+}
+
+// orZero is a field's value as a script returns `HGET(...) or 0`.
+func orZero(v string, ok bool) any {
+	if ok {
+		return v
+	}
+	return int64(0)
 }
 
 // hash returns the hash at key, nil if there is none and create is false;

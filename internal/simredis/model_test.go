@@ -181,6 +181,7 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 	m := New()
 	rng := rand.New(rand.NewPCG(3, 4))
 	const tag = "{sim:f}:"
+	var befores, sums int // replies with window i-1's reading, and with its sum
 	for i := range 3000 {
 		w := []int64{50, 200, 1000}[rng.IntN(3)]
 		now := time.Now()
@@ -192,12 +193,12 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 		j := r + rng.Int64N(6) - 4 // too late, in time, or from a clock ahead
 		rd := r - rng.Int64N(6)    // not closed yet, or closed
 		report := (rng.Int64N(1000) << 20) + 1
-		ticket := "0"
-		if rng.IntN(2) == 0 {
-			ticket = "1"
-		}
+		want := rng.IntN(8) // tickets, and window rd-1 too
 		keys := []string{tag + strconv.FormatInt(j, 10), tag + strconv.FormatInt(rd, 10)}
-		argv := []string{strconv.FormatInt(j, 10), strconv.FormatInt(report, 10), strconv.FormatInt(rd, 10), strconv.FormatInt(w, 10), ticket}
+		if want >= 2 || rng.IntN(4) == 0 {
+			keys = append(keys, tag+strconv.FormatInt(rd-1, 10))
+		}
+		argv := []string{strconv.FormatInt(j, 10), strconv.FormatInt(report, 10), strconv.FormatInt(rd, 10), strconv.FormatInt(w, 10), strconv.Itoa(want)}
 		if passed {
 			argv = append(argv, strconv.FormatInt(now.UnixMicro(), 10))
 		}
@@ -216,19 +217,29 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 		}
 		got := eval.Val()
 		vals, ok := got.([]any)
-		if !ok || len(vals) != 4 {
+		if !ok || len(vals) != 4 && len(vals) != 6 {
 			t.Fatalf("call %d: reply %v", i, got)
+		}
+		if len(vals) == 6 {
+			befores++
+			if vals[4] != int64(0) {
+				sums++
+			}
 		}
 		at := time.UnixMilli(clock.Val().UnixMilli())
 		if !passed {
 			ms, _ := vals[0].(int64)
 			at = time.UnixMilli(ms) // the script's own reading
 		}
+		before := ""
+		if len(keys) == 3 {
+			before = keys[2]
+		}
 		m.mu.Lock()
-		want := m.fleet(at, keys[0], keys[1], argv)
+		model := m.fleet(at, keys[0], keys[1], before, argv)
 		m.mu.Unlock()
-		if !reflect.DeepEqual(want, got) {
-			t.Fatalf("call %d %v %v: model %v, redis %v", i, keys, argv, want, got)
+		if !reflect.DeepEqual(model, got) {
+			t.Fatalf("call %d %v %v: model %v, redis %v", i, keys, argv, model, got)
 		}
 		for _, k := range keys {
 			m.mu.Lock()
@@ -267,9 +278,14 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 			}
 		}
 	}
+	// The random calls must have met window i-1's reading, with and
+	// without a sum, for the comparison to say anything of it.
+	if befores < 100 || sums < 50 {
+		t.Errorf("%d replies read window i-1, %d of them with a sum; want at least 100 and 50", befores, sums)
+	}
 }
 
-// TestFleetExpiryAtNow: a window's first report whose expiry, (j+5)×w, is
+// TestFleetExpiryAtNow: a window's first report whose expiry, (j+6)×w, is
 // the server's clock to the millisecond (the window was read by a client
 // clock ahead of it) leaves no hash: Redis's PEXPIREAT deletes a key at
 // once when its time is not after the clock, where a key that has merely
@@ -277,11 +293,11 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 func TestFleetExpiryAtNow(t *testing.T) {
 	m := New()
 	const w, j = 50, 100
-	at := time.UnixMilli((j + 5) * w) // the server's clock
+	at := time.UnixMilli((j + 6) * w) // the server's clock
 	client := time.UnixMilli(j * w)   // the client's, passed as ARGV[6]
 	argv := []string{"100", strconv.FormatInt(1<<20+1, 10), "90", "50", "0", strconv.FormatInt(client.UnixMicro(), 10)}
 	m.mu.Lock()
-	reply := m.fleet(at, "{f}:100", "{f}:90", argv)
+	reply := m.fleet(at, "{f}:100", "{f}:90", "", argv)
 	v := m.get(at, "{f}:100")
 	m.mu.Unlock()
 	if vals, _ := reply.([]any); len(vals) != 4 || vals[1] != int64(1) {

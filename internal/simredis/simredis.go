@@ -466,8 +466,8 @@ func (s *Server) command(args []string, tag int) any {
 			return rerror("NOSCRIPT No matching script. Please use EVAL.")
 		}
 		nk, err := strconv.Atoi(args[2])
-		if err != nil || nk < 1 || nk > 2 || nk == 1 && h == fleetSHA || len(args) < 3+nk {
-			return rerror("ERR the models take the scripts' keys (the bucket's, and a charge's marker; the fleet's two windows)")
+		if err != nil || nk < 1 || nk > 3 || h == bucketSHA && nk > 2 || h == fleetSHA && nk < 2 || len(args) < 3+nk {
+			return rerror("ERR the models take the scripts' keys (the bucket's, and a charge's marker; the fleet's two or three windows)")
 		}
 		s.calls++
 		if h == bucketSHA {
@@ -486,7 +486,11 @@ func (s *Server) command(args []string, tag int) any {
 			}
 			return reply
 		}
-		reply := s.fleet(now, args[3], args[4], args[5:])
+		before := ""
+		if nk == 3 {
+			before = args[5]
+		}
+		reply := s.fleet(now, args[3], args[4], before, args[3+nk:])
 		if read, ok := reply.([]any); ok && read[2] != int64(0) && s.FleetHook != nil {
 			s.FleetHook(tag)
 		}
