@@ -5,6 +5,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"math"
 	"os"
 	"strings"
 	"sync/atomic"
@@ -119,7 +120,7 @@ func logShares(t testing.TB, lims []*Limiter, keys ...string) {
 		v := lim.view.Load()
 		var b strings.Builder
 		for _, k := range keys {
-			fmt.Fprintf(&b, ", share of %s %.3f", k, lim.keyWeight(k, v))
+			fmt.Fprintf(&b, ", share of %s %.3f", k, lim.keyWeight(k, v, lim.route(lim.cfg.Prefix+k)))
 		}
 		t.Logf("instance %d in the outage: weight %.3f%s", i, v.weight, b.String())
 	}
@@ -324,5 +325,117 @@ func TestKeyShares(t *testing.T) {
 		}
 		check(a, "key A, sticky to instance 0", 85, 110)
 		check(b, "key B, spread evenly", 85, 110)
+	})
+}
+
+// TestKeyShareMovesWithItsKey: a sticky key whose traffic moves to
+// another instance while Redis is healthy (a deploy reshaped the
+// consistent-hash ring) leaves no share behind: the instance it left
+// holds its weight of it, the one it went to its part. Keys A and C each
+// go to one instance, A to 0 and C to 1, and swap at 2 s; at 4 s Redis
+// pauses, and both keys' traffic comes to both instances. Before, each
+// instance kept its part of the key it lost beside the other's part of
+// it, and each key admitted up to twice its limit per outage second.
+func TestKeyShareMovesWithItsKey(t *testing.T) {
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		const moveAt, pause, seconds = 2 * time.Second, 4 * time.Second, 6
+		counts := [3][seconds]atomic.Int64{}
+		var start time.Time
+		var lims []*Limiter
+		var deciders []loadgen.Decide
+		for range 3 {
+			lim := newLimiter(t, Config{
+				Redis:     srv.client(t),
+				Limit:     PerSecond(100),
+				Instances: 3,
+				Timeout:   50 * time.Millisecond,
+				Prefix:    "moved:",
+				Heartbeat: 200 * time.Millisecond,
+			})
+			lims = append(lims, lim)
+			decide := decider(lim)
+			deciders = append(deciders, func(ctx context.Context, key string) (bool, string, error) {
+				ok, mode, err := decide(ctx, key)
+				if s := int(time.Since(start) / time.Second); ok && s < seconds {
+					counts[strings.Index("ABC", key)][s].Add(1)
+				}
+				return ok, mode, err
+			})
+		}
+		// shares returns each instance's share of key, and its weight.
+		shares := func(key string) (s, w [3]float64) {
+			for i, lim := range lims {
+				v := lim.view.Load()
+				s[i], w[i] = lim.keyWeight(key, v, lim.route(lim.cfg.Prefix+key)), v.weight
+			}
+			return s, w
+		}
+		var heldA, heldC, weights [3]float64
+		resumed := false
+		t.Cleanup(func() {
+			if !resumed {
+				srv.resume(t)
+			}
+		})
+		start = time.Now()
+		loadgen.Run(context.Background(), loadgen.Config{
+			Instances: deciders,
+			// Instances 0 and 1: 200/s of a sticky key and a third of
+			// B's 200/s; instance 2 a third of B.
+			Weights:  []float64{200 + 200.0/3, 200 + 200.0/3, 200.0 / 3},
+			Workers:  4,
+			Rate:     400 + 200.0/3,
+			Duration: seconds * time.Second,
+			Key: func(instance, worker, i int) string {
+				if instance == 2 || i%4 == 0 {
+					return "B"
+				}
+				at := time.Since(start)
+				switch {
+				case at >= pause: // both keys on both instances
+					return []string{"A", "C"}[(i/4)%2]
+				case (at >= moveAt) == (instance == 0):
+					return "C"
+				}
+				return "A"
+			},
+			Events: []loadgen.Event{
+				{At: pause, Do: func() {
+					heldA, weights = shares("A")
+					heldC, _ = shares("C")
+					srv.pause(t)
+				}},
+				{At: seconds * time.Second, Do: func() { srv.resume(t); resumed = true }},
+			},
+		})
+		t.Logf("at the pause: weights %.3f; shares of A %.3f, of C %.3f", weights, heldA, heldC)
+		var a, b, c [seconds]int64
+		for s := range seconds {
+			a[s], b[s], c[s] = counts[0][s].Load(), counts[1][s].Load(), counts[2][s].Load()
+		}
+		t.Logf("admitted per second: A %v, B %v, C %v", a, b, c)
+		// A moved from 0 to 1, C from 1 to 0.
+		for _, k := range []struct {
+			name       string
+			held       [3]float64
+			left, went int
+		}{{"A", heldA, 0, 1}, {"C", heldC, 1, 0}} {
+			if got, w := k.held[k.left], weights[k.left]; math.Abs(got-w) > 1e-9 {
+				t.Errorf("key %s: instance %d, which it left 2 s before, holds %.3f of it; want its weight %.3f", k.name, k.left, got, w)
+			}
+			if got := k.held[k.went]; got < 0.85 {
+				t.Errorf("key %s: instance %d, which has served it for 2 s, holds %.3f of it; want at least 0.85", k.name, k.went, got)
+			}
+		}
+		// After the first outage second (where each local bucket may
+		// start with its share of a burst), a key admits what its shares
+		// allow: the part of the instance that serves it, at most 1, and
+		// the weight of the one it left (docs/design.md, per-key shares).
+		bound := 100*(1+max(weights[0], weights[1])) + 5
+		for s := pause/time.Second + 1; s < seconds; s++ {
+			if a[s] > int64(bound) || c[s] > int64(bound) {
+				t.Errorf("outage second %d admitted %d of A and %d of C; want at most %.0f each", s, a[s], c[s], bound)
+			}
+		}
 	})
 }

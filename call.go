@@ -194,6 +194,11 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 		if lim.cluster != nil {
 			nd.heard(lim.cfg.now())
 		}
+		if lim.heart != nil && res.Now > 0 {
+			if w := res.Now / lim.heart.every.Microseconds(); w > nd.window.Load() {
+				nd.window.Store(w)
+			}
+		}
 	}
 	if o == badValue {
 		lim.cfg.Logger.Error("hybridlimit: remote call failed", "key", req.Key, "err", err)

@@ -573,7 +573,7 @@ func part(m, reporters, total, ticket, mine int64) *fleet {
 }
 
 // keyWeight returns this instance's part of key's limit while Redis is
-// away, given its view v. If it has a part of the key's consumption in the
+// away, given its view v and the key's node nd (nil: not known). If it has a part of the key's consumption in the
 // spans that end with the two windows of its view (the lesser of the two),
 // its key share is that part weighed as the weights weigh traffic:
 //
@@ -588,12 +588,18 @@ func part(m, reporters, total, ticket, mine int64) *fleet {
 // third, and one that never saw the key its weight (see keyShare). The key shares of all
 // instances that hold one add up to at most 1 - reservePart; with the
 // weights of the others the sum is at most 1 plus the lesser of the two
-// (docs/design.md, per-key shares).
-func (lim *Limiter) keyWeight(key string, v *fleet) float64 {
+// (docs/design.md, per-key shares). A key whose answers ended while nd
+// went on answering has no part here (see local.Shares.Part): its traffic
+// moved to another instance.
+func (lim *Limiter) keyWeight(key string, v *fleet, nd *node) float64 {
 	if v.window == 0 || lim.heart == nil || lim.cfg.noKeyShares {
 		return v.weight
 	}
-	part, near, ok := lim.shares.Part(key, v.window)
+	var heard int64
+	if nd != nil {
+		heard = nd.window.Load()
+	}
+	part, near, ok := lim.shares.Part(key, v.window, heard)
 	return keyShare(v.weight, (1-evenPart)*part+v.even, near, ok)
 }
 

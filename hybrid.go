@@ -219,6 +219,10 @@ type node struct {
 	// a call, kept to within a tenth of quietFor: calls to a node quiet for
 	// longer, or never heard, are watched for a failover (watch).
 	answered atomic.Int64
+	// window is the last window of the fleet's heartbeats (Redis TIME)
+	// in which a call to the node was answered: a key whose answers
+	// ended well before it moved to another instance (keyWeight).
+	window atomic.Int64
 	// owedCharges is set while a charge of a key routed to this node is
 	// pending (Limiter.unanswered): its answers then ask for a
 	// reconciliation. Another node's answers cannot send it again.
@@ -790,7 +794,7 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, atMost b
 		*d = Decision{Mode: ModeFailClosed, RetryAfter: lim.untilProbe(nd)}
 		return
 	}
-	r, burst, capacity := lim.share(key, ls.Limit)
+	r, burst, capacity := lim.share(key, ls.Limit, nd)
 	if atMost {
 		n = min(n, int64(burst))
 	}
@@ -860,13 +864,14 @@ func (lim *Limiter) untilProbe(nd *node) time.Duration {
 	return d
 }
 
-// share returns this instance's share of key's limit l: its rate, the
+// share returns this instance's share of key's limit l, whose node is nd
+// (nil: not known): its rate, the
 // burst of its local bucket (at least 1, so that a token can be granted at
 // all), and its capacity, which may be a fraction of a token: the local
 // bucket starts from that, so that a fleet of many instances holding a
 // small burst does not grant a token at each instance at once.
-func (lim *Limiter) share(key string, l Limit) (rate.Limit, int, float64) {
-	w := lim.keyWeight(key, lim.view.Load())
+func (lim *Limiter) share(key string, l Limit, nd *node) (rate.Limit, int, float64) {
+	w := lim.keyWeight(key, lim.view.Load(), nd)
 	capacity := float64(l.Burst) * w
 	return rate.Limit(l.Rate * w), int(max(int64(capacity), 1)), capacity
 }

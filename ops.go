@@ -95,7 +95,7 @@ func (lim *Limiter) Peek(ctx context.Context, key string) (Status, error) {
 		st.Mode = ModeFailClosed
 	default:
 		st.Mode = ModeLocal
-		r, burst, capacity := lim.share(key, ls.Limit)
+		r, burst, capacity := lim.share(key, ls.Limit, lim.route(lim.cfg.Prefix+key))
 		if capacity > 0 {
 			st.Tokens = lim.shares.Peek(lim.cfg.now(), key, r, burst, capacity)
 			st.Remaining = int64(st.Tokens)

@@ -1327,7 +1327,7 @@ type admission struct {
 // is a key share rather than the instance's weight.
 func (lim *Limiter) simShare(key string) (float64, bool) {
 	v := lim.view.Load()
-	w := lim.keyWeight(key, v)
+	w := lim.keyWeight(key, v, lim.route(lim.cfg.Prefix+key))
 	return w, w != v.weight
 }
 

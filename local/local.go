@@ -302,9 +302,12 @@ func (s *Shares) Count(at time.Time, key string, lim remote.Limit, every, now, l
 
 // Part returns this instance's part of key's consumption in windows e and
 // e-1, the lesser of the two, and whether the bucket was near empty in
-// either; ok is false if either has no part (see remote.Part.At). Windows
-// after the key's last answers count as the last that had a part.
-func (s *Shares) Part(key string, e int64) (part float64, near, ok bool) {
+// either; ok is false if either has no part (see remote.Part.At). heard is
+// the last window in which the key's Redis node answered this instance
+// (0: not known). If that is no more than a window after the key's last
+// answer, windows after the key's last answers count as the last that had
+// a part.
+func (s *Shares) Part(key string, e, heard int64) (part float64, near, ok bool) {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -312,11 +315,17 @@ func (s *Shares) Part(key string, e int64) (part float64, near, ok bool) {
 	if b == nil || b.part == nil {
 		return 0, false, false
 	}
-	// The spans end where the key's answers ended: a key whose Redis node
-	// stopped answering keeps the part it had then, while the fleet's view
-	// may move on (heartbeats on another Cluster shard, or a Redis slow for
-	// decisions and not for heartbeats).
-	e = min(e, b.part.Last())
+	// The spans end where the key's answers ended if they ended with the
+	// node's: a key whose Redis node stopped answering keeps the part it
+	// had then, while the fleet's view may move on (heartbeats on another
+	// Cluster shard, or a Redis slow for decisions and not for
+	// heartbeats). A key whose answers ended while its node went on
+	// answering others stopped coming to this instance (a deploy
+	// reshaped a consistent-hash ring, a session moved): its part is of
+	// the past, and another instance may hold it now.
+	if heard <= b.part.Last()+2 {
+		e = min(e, b.part.Last())
+	}
 	p1, n1, ok1 := b.part.At(e)
 	p0, n0, ok0 := b.part.At(e - 1)
 	return min(p0, p1), n0 || n1, ok0 && ok1

@@ -715,6 +715,8 @@ func TestObserveHoldsNoPart(t *testing.T) {
 // while heartbeats reach Redis and the key's node does not (another
 // Cluster shard down, or a Redis slow for decisions only): a sticky key
 // keeps its share through the outage instead of falling to the weight.
+// Not if the node went on answering this instance: the key's traffic
+// moved to another instance, which measures its own part.
 func TestPartOutlastsAnswers(t *testing.T) {
 	const every = 200_000 // µs: windows of 200 ms
 	lim, err := remote.NewLimit(1000, 100)
@@ -735,14 +737,26 @@ func TestPartOutlastsAnswers(t *testing.T) {
 		s.Count(t0, "k", lim, every, now, level, took, false)
 	}
 	e := now/every - 2
-	if p, near, ok := s.Part("k", e); !ok || !near || p < 0.95 {
+	last := now / every // the window of the key's last answer
+	if p, near, ok := s.Part("k", e, last); !ok || !near || p < 0.95 {
 		t.Fatalf("Part(k, %d) = %.3f, near %v, ok %v; want at least 0.95, near", e, p, near, ok)
 	}
 	for _, later := range []int64{e + 2, e + 10, e + 1000} {
-		if p, near, ok := s.Part("k", later); !ok || !near || p < 0.95 {
-			t.Errorf("Part(k, %d), the view %d windows past the last answers = %.3f, near %v, ok %v; want the last part, at least 0.95",
-				later, later-e-1, p, near, ok)
+		// The node stopped answering with the key (or is not known).
+		for _, heard := range []int64{0, last, last + 1} {
+			if p, near, ok := s.Part("k", later, heard); !ok || !near || p < 0.95 {
+				t.Errorf("Part(k, %d, heard %d), the view %d windows past the last answers = %.3f, near %v, ok %v; want the last part, at least 0.95",
+					later, heard, later-e-1, p, near, ok)
+			}
 		}
+		// The node went on answering other keys: the key stopped coming
+		// here, and its part is over once the view passes its answers.
+		if p, _, ok := s.Part("k", later, last+2); ok {
+			t.Errorf("Part(k, %d), the node answering 2 windows after the key = %.3f, ok; want none", later, p)
+		}
+	}
+	if p, _, ok := s.Part("k", e, last+100); !ok || p < 0.95 {
+		t.Errorf("Part(k, %d), within the key's answers, the node answering long after = %.3f, ok %v; want the part", e, p, ok)
 	}
 }
 
