@@ -242,47 +242,70 @@ func BenchmarkAccuracyTable(b *testing.B) {
 	}
 }
 
+// keyFleet is three Limiters of 100/s sharing Redis with 200 ms
+// heartbeats, whose admissions are counted per key and second of a run.
+type keyFleet struct {
+	lims     []*Limiter
+	deciders []loadgen.Decide
+	keys     string           // one letter per key counted
+	counts   [][]atomic.Int64 // by key (index in keys), then second
+	start    time.Time        // set before the run
+}
+
+func newKeyFleet(t testing.TB, srv *testRedis, prefix, keys string, seconds int, noKeyShares bool) *keyFleet {
+	f := &keyFleet{keys: keys, counts: make([][]atomic.Int64, len(keys))}
+	for k := range f.counts {
+		f.counts[k] = make([]atomic.Int64, seconds)
+	}
+	for range 3 {
+		lim := newLimiter(t, Config{
+			Redis:       srv.client(t),
+			Limit:       PerSecond(100),
+			Instances:   3,
+			Timeout:     50 * time.Millisecond,
+			Prefix:      prefix,
+			Heartbeat:   200 * time.Millisecond,
+			noKeyShares: noKeyShares,
+		})
+		f.lims = append(f.lims, lim)
+		decide := decider(lim)
+		f.deciders = append(f.deciders, func(ctx context.Context, key string) (bool, string, error) {
+			ok, mode, err := decide(ctx, key)
+			if s := int(time.Since(f.start) / time.Second); ok && s < seconds {
+				f.counts[strings.Index(f.keys, key)][s].Add(1)
+			}
+			return ok, mode, err
+		})
+	}
+	return f
+}
+
+// admitted returns key's admissions per second.
+func (f *keyFleet) admitted(key string) []int {
+	c := f.counts[strings.Index(f.keys, key)]
+	out := make([]int, len(c))
+	for s := range c {
+		out[s] = int(c[s].Load())
+	}
+	return out
+}
+
 // runSticky runs the outage of runOutage on two keys at once, for d: key
 // A offered 200/s, all of it on instance 0 (sticky routing), and key B
 // offered 200/s evenly over the three instances. It returns the allowed
 // decisions of each key per second.
 func runSticky(t testing.TB, srv *testRedis, noKeyShares bool, d time.Duration) (a, b []int) {
 	t.Helper()
-	seconds := int(d / time.Second)
-	counts := [2][]atomic.Int64{make([]atomic.Int64, seconds), make([]atomic.Int64, seconds)}
-	start := time.Now()
-	var deciders []loadgen.Decide
-	var lims []*Limiter
-	for range 3 {
-		cfg := Config{
-			Redis:       srv.client(t),
-			Limit:       PerSecond(100),
-			Instances:   3,
-			Timeout:     50 * time.Millisecond,
-			Prefix:      "sticky:",
-			Heartbeat:   200 * time.Millisecond,
-			noKeyShares: noKeyShares,
-		}
-		lim := newLimiter(t, cfg)
-		lims = append(lims, lim)
-		decide := decider(lim)
-		deciders = append(deciders, func(ctx context.Context, key string) (bool, string, error) {
-			ok, mode, err := decide(ctx, key)
-			if s := int(time.Since(start) / time.Second); ok && s < seconds {
-				counts[strings.Index("AB", key)][s].Add(1)
-			}
-			return ok, mode, err
-		})
-	}
+	f := newKeyFleet(t, srv, "sticky:", "AB", int(d/time.Second), noKeyShares)
 	resumed := false
 	t.Cleanup(func() {
 		if !resumed {
 			srv.resume(t)
 		}
 	})
-	start = time.Now()
+	f.start = time.Now()
 	loadgen.Run(context.Background(), loadgen.Config{
-		Instances: deciders,
+		Instances: f.deciders,
 		// Instance 0: 200/s of A and a third of B's 200/s; the others a
 		// third of B each.
 		Weights:  []float64{200 + 200.0/3, 200.0 / 3, 200.0 / 3},
@@ -297,14 +320,11 @@ func runSticky(t testing.TB, srv *testRedis, noKeyShares bool, d time.Duration) 
 		},
 		Events: []loadgen.Event{
 			{At: pauseAt, Do: func() { srv.pause(t) }},
-			{At: pauseAt + time.Second, Do: func() { logShares(t, lims, "A", "B") }},
+			{At: pauseAt + time.Second, Do: func() { logShares(t, f.lims, "A", "B") }},
 			{At: resumeAt, Do: func() { srv.resume(t); resumed = true }},
 		},
 	})
-	for s := range seconds {
-		a = append(a, int(counts[0][s].Load()))
-		b = append(b, int(counts[1][s].Load()))
-	}
+	a, b = f.admitted("A"), f.admitted("B")
 	t.Logf("per-key shares off: %v\nkey A (sticky): %v\nkey B (even):   %v", noKeyShares, a, b)
 	return a, b
 }
@@ -339,32 +359,10 @@ func TestKeyShares(t *testing.T) {
 func TestKeyShareMovesWithItsKey(t *testing.T) {
 	withRedis(t, func(t *testing.T, srv *testRedis) {
 		const moveAt, pause, seconds = 2 * time.Second, 4 * time.Second, 6
-		counts := [3][seconds]atomic.Int64{}
-		var start time.Time
-		var lims []*Limiter
-		var deciders []loadgen.Decide
-		for range 3 {
-			lim := newLimiter(t, Config{
-				Redis:     srv.client(t),
-				Limit:     PerSecond(100),
-				Instances: 3,
-				Timeout:   50 * time.Millisecond,
-				Prefix:    "moved:",
-				Heartbeat: 200 * time.Millisecond,
-			})
-			lims = append(lims, lim)
-			decide := decider(lim)
-			deciders = append(deciders, func(ctx context.Context, key string) (bool, string, error) {
-				ok, mode, err := decide(ctx, key)
-				if s := int(time.Since(start) / time.Second); ok && s < seconds {
-					counts[strings.Index("ABC", key)][s].Add(1)
-				}
-				return ok, mode, err
-			})
-		}
+		f := newKeyFleet(t, srv, "moved:", "ABC", seconds, false)
 		// shares returns each instance's share of key, and its weight.
 		shares := func(key string) (s, w [3]float64) {
-			for i, lim := range lims {
+			for i, lim := range f.lims {
 				v := lim.view.Load()
 				s[i], w[i] = lim.keyWeight(key, v, lim.route(lim.cfg.Prefix+key)), v.weight
 			}
@@ -377,9 +375,9 @@ func TestKeyShareMovesWithItsKey(t *testing.T) {
 				srv.resume(t)
 			}
 		})
-		start = time.Now()
+		f.start = time.Now()
 		loadgen.Run(context.Background(), loadgen.Config{
-			Instances: deciders,
+			Instances: f.deciders,
 			// Instances 0 and 1: 200/s of a sticky key and a third of
 			// B's 200/s; instance 2 a third of B.
 			Weights:  []float64{200 + 200.0/3, 200 + 200.0/3, 200.0 / 3},
@@ -390,7 +388,7 @@ func TestKeyShareMovesWithItsKey(t *testing.T) {
 				if instance == 2 || i%4 == 0 {
 					return "B"
 				}
-				at := time.Since(start)
+				at := time.Since(f.start)
 				switch {
 				case at >= pause: // both keys on both instances
 					return []string{"A", "C"}[(i/4)%2]
@@ -409,10 +407,7 @@ func TestKeyShareMovesWithItsKey(t *testing.T) {
 			},
 		})
 		t.Logf("at the pause: weights %.3f; shares of A %.3f, of C %.3f", weights, heldA, heldC)
-		var a, b, c [seconds]int64
-		for s := range seconds {
-			a[s], b[s], c[s] = counts[0][s].Load(), counts[1][s].Load(), counts[2][s].Load()
-		}
+		a, b, c := f.admitted("A"), f.admitted("B"), f.admitted("C")
 		t.Logf("admitted per second: A %v, B %v, C %v", a, b, c)
 		// A moved from 0 to 1, C from 1 to 0.
 		for _, k := range []struct {
@@ -433,7 +428,7 @@ func TestKeyShareMovesWithItsKey(t *testing.T) {
 		// the weight of the one it left (docs/design.md, per-key shares).
 		bound := 100*(1+max(weights[0], weights[1])) + 5
 		for s := pause/time.Second + 1; s < seconds; s++ {
-			if a[s] > int64(bound) || c[s] > int64(bound) {
+			if a[s] > int(bound) || c[s] > int(bound) {
 				t.Errorf("outage second %d admitted %d of A and %d of C; want at most %.0f each", s, a[s], c[s], bound)
 			}
 		}
