@@ -252,6 +252,15 @@ func (h *heart) mine(w int64) int64 {
 	return -1
 }
 
+// beat returns the heartbeat that reports window k: it reads window k-2,
+// and, if this instance did not read the one before, that one too (see
+// weigh), with a ticket in each where it was not counted.
+func (h *heart) beat() remote.Beat {
+	before := h.lim.view.Load().known < h.k-3
+	return remote.Beat{Base: h.lim.fleetKey(), Window: h.k, Offered: h.offered,
+		Ticket: h.mine(h.k-2) < 0, Every: h.every, Before: before, BeforeTicket: before && h.mine(h.k-3) < 0}
+}
+
 // skip says whether the report of window k is not to be sent: the
 // Limiter is closed, or its breaker is open (Redis is away, and the
 // heartbeat would only wait for it).
@@ -274,7 +283,19 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 		// at most 1 either way).
 		lim.cfg.Logger.Debug("hybridlimit: heartbeat failed", "limiter", lim.cfg.Name, "err", b.Err)
 	default:
-		lim.view.Store(weigh(b.Heartbeat, h.mine(h.k-2), h.mine(h.k-3), lim.view.Load()))
+		// The script reads window i only if Redis is at least three
+		// windows past it (r = Now/w, i <= r-3), and its hash is gone from
+		// r = i+6 on; outside that its reply, {now, taken, 0, 0}, is the
+		// same as for a closed window nobody reported for. A heartbeat
+		// that reached Redis before the window closed (this machine's idea
+		// of Redis's clock ahead: a Redis stall inflated the skew, a
+		// failover to a host whose clock is behind) read nothing: weigh
+		// must not mark the window known, or the next heartbeat would not
+		// ask for it as the window before (see weigh).
+		if r := b.Heartbeat.Now / h.every.Milliseconds(); b.Heartbeat.Window <= r-3 && b.Heartbeat.Window >= r-5 {
+			v := weigh(b.Heartbeat, h.mine(h.k-2), h.mine(h.k-3), lim.view.Load())
+			lim.view.Store(v)
+		}
 		rtt := got.Sub(sent)
 		h.skew = time.UnixMilli(b.Heartbeat.Now).Sub(sent.Add(rtt / 2))
 		taken = b.Heartbeat.Taken
@@ -432,12 +453,7 @@ func (p *pacer) run() {
 			case h.skip():
 				h.answer(nil, now, now)
 			default:
-				// The window read is k-2; one that did not read the
-				// one before asks for it too (see weigh).
-				before := h.lim.view.Load().known < h.k-3
-				beats = append(beats, remote.Beat{Base: h.lim.fleetKey(), Window: h.k,
-					Offered: h.offered, Ticket: h.mine(h.k-2) < 0, Every: h.every,
-					Before: before, BeforeTicket: before && h.mine(h.k-3) < 0})
+				beats = append(beats, h.beat())
 				sending = append(sending, h)
 				every = max(every, h.every)
 			}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/maphash"
+	"math"
 	"math/rand/v2"
 	"strconv"
 	"sync"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/alicebob/miniredis/v2"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
 	"github.com/hybridlimit/hybridlimit/lua"
 	"github.com/hybridlimit/hybridlimit/remote"
@@ -303,5 +305,116 @@ func TestPacerOffsets(t *testing.T) {
 	}
 	if len(slots) != pacerSlots {
 		t.Errorf("%d Limiters of one client report at %d offsets; want %d: %v", 2*pacerSlots, len(slots), pacerSlots, slots)
+	}
+}
+
+// handHeart is a heart driven by hand against miniredis, through the
+// pacer's own heart.beat, remote.Beats and heart.answer.
+type handHeart struct {
+	h *heart
+}
+
+func newHandHeart() *handHeart {
+	lim := &Limiter{}
+	lim.view.Store(initialView(3))
+	return &handHeart{h: &heart{lim: lim, every: time.Second, prev: math.MinInt64, at: -1}}
+}
+
+// beat reports offered for window j and reads j-2, as the pacer does:
+// sent at sent, run by Redis at exec (its clock; this machine's is the
+// same), answered at got.
+func (r *handHeart) beat(t *testing.T, m *miniredis.Miniredis, c redis.UniversalClient, j, offered int64, sent, exec, got time.Time) remote.Beat {
+	t.Helper()
+	m.SetTime(exec)
+	h := r.h
+	h.k, h.offered = j, offered
+	b := []remote.Beat{h.beat()}
+	remote.Beats(context.Background(), c, nil, b)
+	if b[0].Err != nil {
+		t.Fatalf("beat %d: %v", j, b[0].Err)
+	}
+	h.answer(&b[0], sent, got)
+	return b[0]
+}
+
+// TestEarlyReadIsNotEmpty: a heartbeat that reaches Redis before
+// the window it reads is closed (this machine's idea of Redis's clock is
+// ahead of Redis's by more than the heartbeat's offset: the previous
+// heartbeat met Redis stalled, which inflates the skew by half the stall;
+// a failover to a host whose clock is behind; a clock step) gets the reply
+// {now, taken, 0, 0}, the same as a closed window nobody reported for.
+// weigh takes it for the latter and marks the window known, so the next
+// heartbeat does not ask for it with Before: the instance then holds the
+// lesser of its parts in m-1 and m+1, while the others hold m-1 and m, or
+// m and m+1 -- no window in common, and the weights add up to more than 1.
+func TestEarlyReadIsNotEmpty(t *testing.T) {
+	m := miniredis.RunT(t)
+	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
+	defer c.Close()
+	const w = 1000
+	base := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC).UnixMilli() / w
+	at := func(window int64, ms int64) time.Time { return time.UnixMilli(window*w + ms) }
+	mw := base + 10 // window m
+	// Tokens offered per window by X, Y and Z: traffic moving around, as
+	// in TestWeighSumsToAtMostOne's example.
+	tokens := map[int64][3]int64{}
+	for j := base; j < mw-1; j++ {
+		tokens[j] = [3]int64{33, 33, 34}
+	}
+	tokens[mw-1] = [3]int64{45, 45, 10}
+	tokens[mw] = [3]int64{10, 45, 45}
+	tokens[mw+1] = [3]int64{45, 10, 45}
+	tokens[mw+2] = [3]int64{45, 10, 45}
+	tokens[mw+3] = [3]int64{45, 10, 45}
+	hearts := [3]*handHeart{newHandHeart(), newHandHeart(), newHandHeart()}
+	slot := [3]int64{50, 850, 100} // X, Y, Z: ms into the window they send in
+	hearts[0].h.offset = 50 * time.Millisecond
+	var xEarly remote.Beat
+	// Every instance reports window j during window j+1 and reads j-2.
+	// X's report of window m+1 meets Redis stalled for 200 ms (a fork, a
+	// slow command): TIME is read 200 ms after it arrived, the answer comes
+	// at once, and rtt/2 makes X's skew 100 ms too large. So its report of
+	// window m+2, due 50 ms into window m+3 by its idea of Redis's clock,
+	// reaches Redis 50 ms before window m+3, when window m is not closed.
+	for j := base; j <= mw+2; j++ {
+		for i, hr := range hearts {
+			switch {
+			case i == 0 && j == mw+1:
+				hr.beat(t, m, c, j, tokens[j][i], at(j+1, 50), at(j+1, 250), at(j+1, 250))
+			case i == 0 && j == mw+2:
+				if hr.h.k != j {
+					t.Fatalf("X's next window is %d; want m+2", hr.h.k-mw)
+				}
+				send := hr.h.end.Add(hr.h.offset)
+				t.Logf("X's skew %v; it sends its report of m+2 at %d ms into window m+3", hr.h.skew, send.UnixMilli()-(mw+3)*w)
+				xEarly = hr.beat(t, m, c, j, tokens[j][i], send, send, send)
+			default:
+				hr.beat(t, m, c, j, tokens[j][i], at(j+1, slot[i]), at(j+1, slot[i]), at(j+1, slot[i]))
+			}
+		}
+	}
+	t.Logf("X's read of window m, before it closed: %+v", xEarly.Heartbeat)
+	// Window m+4: X (50 ms) and Z (100 ms) read m+1, Y (850 ms) has not yet.
+	var xb remote.Beat
+	for i, hr := range hearts {
+		if i == 1 {
+			continue
+		}
+		b := hr.beat(t, m, c, mw+3, tokens[mw+3][i], at(mw+4, slot[i]), at(mw+4, slot[i]), at(mw+4, slot[i]))
+		if i == 0 {
+			xb = b
+		}
+	}
+	var sum float64
+	for i, hr := range hearts {
+		v := hr.h.lim.view.Load()
+		t.Logf("instance %d: window %d, prior %d, weight %.3f", i, v.window-mw, v.prior-mw, v.weight)
+		sum += v.weight
+	}
+	if !xb.Before {
+		t.Errorf("X's heartbeat after its early read did not ask for window m with m+1")
+	}
+	if sum > 1+1e-9 {
+		t.Errorf("at window m+4, 300 ms in, the weights add up to %.3f; want at most 1", sum)
 	}
 }
