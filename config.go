@@ -201,6 +201,9 @@ type Config struct {
 	// onPass, if set, is called at the start of every reconciliation
 	// pass, which tests count.
 	onPass func()
+	// onView, if set, is called with each view a heartbeat stores, which
+	// the simulator checks across the fleet.
+	onView func(*fleet)
 }
 
 // Errors returned by New and Limiter methods. Test for them with errors.Is.

@@ -295,6 +295,9 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 		if r := b.Heartbeat.Now / h.every.Milliseconds(); b.Heartbeat.Window <= r-3 && b.Heartbeat.Window >= r-5 {
 			v := weigh(b.Heartbeat, h.mine(h.k-2), h.mine(h.k-3), lim.view.Load())
 			lim.view.Store(v)
+			if lim.cfg.onView != nil {
+				lim.cfg.onView(v)
+			}
 		}
 		rtt := got.Sub(sent)
 		h.skew = time.UnixMilli(b.Heartbeat.Now).Sub(sent.Add(rtt / 2))

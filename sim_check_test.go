@@ -206,19 +206,20 @@ func TestSimWindowsTakeoverReservations(t *testing.T) {
 // while its Close waits out the hung calls, and get ErrClosed. Every call
 // a Limiter decided was admitted (6 of 6); the nine ErrClosed calls were
 // offered to no Limiter of the fleet, and do not raise the floor
-// (min(15, 10) - 1 = 9 counting them). Denials by a live instance still
-// do.
+// (min(15, 10) - 1 = 9 counting them); nor do nine calls an instance that
+// joined during the outage denied (it holds nothing the floor counts on).
+// Denials by a live instance still do.
 func TestSimFloorIgnoresCallsToLeftInstances(t *testing.T) {
 	l := Limit{Rate: 200, Burst: 100} // floor: 200 × min(0.1/2, 1/2) = 10 a second
 	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
 	run := func(extra ...record) []string {
-		r := &simRun{s: schedule{Slots: 2, Instances: 2, CfgInst: 2, Policy: FailLocal, Keys: 2,
+		r := &simRun{s: schedule{Slots: 3, Instances: 2, CfgInst: 2, Policy: FailLocal, Keys: 2,
 			Timeout: 20 * time.Millisecond, Duration: 4 * time.Second, Limit: l}}
 		r.limits = append(r.limits, struct {
 			at time.Duration
 			l  Limit
 		}{0, l})
-		r.alive = []interval{{0, 4 * time.Second}, {0, ms(1200)}}
+		r.alive = []interval{{0, 4 * time.Second}, {0, ms(1200)}, {ms(1200), 4 * time.Second}}
 		r.killed = []interval{{time.Second, ms(3500)}}
 		// Each instance's breaker must be open at 1.02 s: its
 		// Failures calls into the outage (on k1) have ended.
@@ -239,17 +240,21 @@ func TestSimFloorIgnoresCallsToLeftInstances(t *testing.T) {
 		r.checkFloor(func(name, format string, args ...any) { got = append(got, name) })
 		return got
 	}
-	var closed, denied []record
+	var closed, denied, joined []record
 	for i := range 9 {
 		at := ms(1250 + 80*i)
 		closed = append(closed, record{inst: 1, key: "k0", n: 1, start: at, end: at, err: ErrClosed})
 		denied = append(denied, record{inst: 0, key: "k0", n: 1, mode: ModeLocal, start: at, end: at})
+		joined = append(joined, record{inst: 2, key: "k0", n: 1, mode: ModeLocal, start: at, end: at})
 	}
 	if got := run(); len(got) != 0 {
 		t.Errorf("6 admitted of 6 offered: %v; want none", got)
 	}
 	if got := run(closed...); len(got) != 0 {
 		t.Errorf("6 admitted of 6 offered, and 9 calls to the instance that left: %v; want none", got)
+	}
+	if got := run(joined...); len(got) != 0 {
+		t.Errorf("6 admitted of 6 offered, and 9 denied by an instance that joined during the outage: %v; want none", got)
 	}
 	if got := run(denied...); len(got) != 1 || got[0] != "outage-floor" {
 		t.Errorf("6 admitted of 15 offered, 9 denied locally by the instance that stayed: %v; want one outage-floor", got)
@@ -268,5 +273,45 @@ func TestSimFoundSeeds(t *testing.T) {
 				t.Errorf("seed %d: %s (%d): %s", seed, name, len(msgs), msgs[0])
 			}
 		}
+	}
+}
+
+// TestSimWeightsOverOne: the weights check flags views that share a window
+// and add up to more than 1 (two instances that read different sums for
+// one window), and leaves alone views that share none (an instance that
+// holds an older window's part, which the weight rule does not bound),
+// views of no window, and the views of an instance that left.
+func TestSimWeightsOverOne(t *testing.T) {
+	const m = 1000
+	check := func(views ...*fleet) []string {
+		r := &simRun{}
+		obs := make([]*simObserver, len(views))
+		for i, v := range views {
+			obs[i] = &simObserver{}
+			r.viewed(i, obs[i], v)
+		}
+		return r.overOne
+	}
+	if got := check(&fleet{window: m, prior: m - 1, weight: 0.6}, &fleet{window: m - 1, prior: m - 2, weight: 0.4}); len(got) != 0 {
+		t.Errorf("0.6 and 0.4 held, sharing window m-1: %v; want nothing", got)
+	}
+	if got := check(&fleet{window: m, prior: m - 1, weight: 0.6}, &fleet{window: m - 1, prior: m - 2, weight: 0.5}); len(got) != 1 {
+		t.Errorf("0.6 and 0.5 held, sharing window m-1: %v; want one", got)
+	}
+	if got := check(&fleet{window: m, prior: m - 1, weight: 0.6}, &fleet{window: m - 2, prior: m - 3, weight: 0.5}); len(got) != 0 {
+		t.Errorf("0.6 and 0.5 held, sharing no window: %v; want nothing", got)
+	}
+	if got := check(&fleet{window: m, prior: m - 1, weight: 0.6}, &fleet{weight: 0.5}); len(got) != 0 {
+		t.Errorf("0.6 held, and 1/Instances by one that has read no window: %v; want nothing", got)
+	}
+	r := &simRun{}
+	a, b := &simObserver{}, &simObserver{}
+	r.viewed(0, a, &fleet{window: m, prior: m - 1, weight: 0.6})
+	a.left.Store(true)
+	r.viewed(0, nil, nil) // slot 0 left; a late answer of its Limiter stores a view
+	r.viewed(0, a, &fleet{window: m, prior: m - 1, weight: 0.6})
+	r.viewed(1, b, &fleet{window: m, prior: m - 1, weight: 0.5})
+	if len(r.overOne) != 0 {
+		t.Errorf("the view of an instance that left beside 0.5: %v; want nothing", r.overOne)
 	}
 }

@@ -119,7 +119,12 @@ type schedule struct {
 	// DialDelay is added to every dial's latency: a TLS handshake, a
 	// managed Redis in another zone.
 	DialDelay time.Duration
-	Events    []event
+	// Heartbeat is Config.Heartbeat (0: the default).
+	Heartbeat time.Duration
+	// Shift, if not 0, is when each instance takes over the next one's
+	// traffic.
+	Shift  time.Duration
+	Events []event
 	// Cluster, if not nil, runs the fleet against a Redis Cluster, with
 	// the Cluster's faults instead of Events (sim_cluster_test.go).
 	Cluster *clusterPlan
@@ -131,6 +136,12 @@ func (s schedule) String() string {
 		s.Seed, s.Instances, s.Slots, s.CfgInst, s.Policy, s.Limit, s.Timeout, s.Probes)
 	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, TLS %v, ContextTimeoutEnabled %v, PoolSize %d, dials +%v, %v\n",
 		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.TLS, s.CtxTimeout, s.Pool, s.DialDelay, s.Duration)
+	if s.Heartbeat != 0 {
+		fmt.Fprintf(&b, "  Heartbeat %v\n", s.Heartbeat)
+	}
+	if s.Shift != 0 {
+		fmt.Fprintf(&b, "  traffic shifts at %v\n", s.Shift)
+	}
 	for _, e := range s.Events {
 		fmt.Fprintf(&b, "  %v\n", e)
 	}
@@ -177,6 +188,12 @@ func (s schedule) features() []string {
 	if s.DialDelay > 0 {
 		f = append(f, "slowdial")
 	}
+	if s.Heartbeat > 0 {
+		f = append(f, "shortheartbeat")
+	}
+	if s.Shift > 0 {
+		f = append(f, "shift")
+	}
 	if s.Cluster != nil {
 		f = append(f, s.Cluster.features()...)
 	}
@@ -206,6 +223,17 @@ func genSchedule(seed uint64) schedule {
 	s.CtxTimeout = rand.New(rand.NewPCG(seed, 0xc7c7)).IntN(3) == 0
 	if p := rand.New(rand.NewPCG(seed, 0x9001)); p.IntN(5) == 0 {
 		s.Pool = 1 + p.IntN(3)
+	}
+	if sh := rand.New(rand.NewPCG(seed, 0x5b1f)); sh.IntN(3) == 0 {
+		// The traffic moves: each instance takes over the next one's
+		// share (and, sticky, its keys), as a deploy that reshapes a
+		// consistent-hash ring, or a load balancer rebalancing, does.
+		s.Shift = 300*time.Millisecond + time.Duration(sh.Int64N(int64(s.Duration-800*time.Millisecond)))
+	}
+	if h := rand.New(rand.NewPCG(seed, 0x4ea7)); h.IntN(3) == 0 {
+		// Heartbeats short enough for a run to read tens of windows:
+		// the fleet's weights and key shares move within it.
+		s.Heartbeat = []time.Duration{50, 100, 200}[h.IntN(3)] * time.Millisecond
 	}
 	switch x := r.IntN(20); {
 	case x < 12:
@@ -380,6 +408,9 @@ type simRun struct {
 	charges  []charge
 	spins    []string
 	late     []string              // events the simulator applied after their time: the checks assume it
+	views    map[int]*fleet        // slot: the last view its heartbeat stored, while it is alive
+	viewers  map[int]*simObserver  // slot: the observer of the Limiter whose view views holds
+	overOne  []string              // weights held at once that added up to more than 1 (checkWeights)
 	heard    map[int]time.Duration // slot: when its first heartbeat ran in Redis
 	// fault intervals per slot, filled from the schedule before the run
 	cut    [][]interval // hang or kill: no answer can come
@@ -513,6 +544,7 @@ func (r *simRun) plan() {
 // WaitN that spins makes thousands without time moving, and would hang
 // the bubble; the observer records it and stops the waiters.
 type simObserver struct {
+	left  atomic.Bool // its Limiter left the fleet
 	r     *simRun
 	inst  int
 	stop  context.CancelFunc
@@ -586,6 +618,7 @@ type instance struct {
 	stop   context.CancelFunc // ends its traffic and waiters
 	wg     sync.WaitGroup     // its traffic goroutines
 	closed atomic.Bool
+	obs    *simObserver
 }
 
 // startInstance starts slot i's Limiter on client, of the schedule's
@@ -598,12 +631,12 @@ func (r *simRun) startInstance(ctx context.Context, i int, client redis.Universa
 	lim, err := New(Config{
 		Redis: client, Limit: r.limitAt(r.since()), Instances: s.CfgInst, Timeout: s.Timeout,
 		OnFailure: s.Policy, Breaker: BreakerConfig{Probes: s.Probes}, Observer: obs,
-		rand: draws(s.Seed, i),
+		Heartbeat: s.Heartbeat, rand: draws(s.Seed, i), onView: func(v *fleet) { r.viewed(i, obs, v) },
 	})
 	if err != nil {
 		panic(err)
 	}
-	in := &instance{lim: lim, stop: stop}
+	in := &instance{lim: lim, stop: stop, obs: obs}
 	in.wg.Go(func() { r.traffic(ictx, i, in) })
 	if i == 0 {
 		for w := range s.Waiters {
@@ -721,6 +754,59 @@ func simInt(s string) int64 {
 		return 0
 	}
 	return n
+}
+
+// viewed records the new view v of slot i's Limiter, the one whose
+// observer is obs (nil, nil: it left), and checks the
+// weights held at that moment: if there is one window of whose part every
+// instance holds no more (its view's window, or the one before whose part
+// it took the lesser of), they add up to at most 1 (docs/design.md, the
+// weight rule). A view of no window yet (1/Instances, the configured
+// guess) is not counted.
+func (r *simRun) viewed(i int, obs *simObserver, v *fleet) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.views == nil {
+		r.views, r.viewers = map[int]*fleet{}, map[int]*simObserver{}
+	}
+	if v == nil {
+		delete(r.views, i)
+		r.viewers[i] = nil
+		return
+	}
+	if r.viewers[i] != obs {
+		// A Limiter that left (its report in flight with others' still
+		// stores its view), or one that has not stored a view yet.
+		if r.viewers[i] != nil || obs.left.Load() {
+			return
+		}
+		r.viewers[i] = obs
+	}
+	r.views[i] = v
+	var sum float64
+	held := 0
+	var common [2]int64 // the candidates: slot i's windows
+	var counts [2]int
+	common[0], common[1] = v.window, v.prior
+	for _, w := range r.views {
+		if w.window == 0 {
+			continue
+		}
+		held++
+		sum += w.weight
+		for k, c := range common {
+			if c != 0 && (w.window == c || w.prior == c) {
+				counts[k]++
+			}
+		}
+	}
+	if (counts[0] == held || counts[1] == held) && sum > 1+1e-9 && len(r.overOne) < 5 {
+		var b strings.Builder
+		for j, w := range r.views {
+			fmt.Fprintf(&b, " [%d: %.3f of window %d, prior %d]", j, w.weight, w.window, w.prior)
+		}
+		r.overOne = append(r.overOne, fmt.Sprintf("at %v after instance %d's heartbeat the weights held add up to %.4f:%s", r.since(), i, sum, b.String()))
+	}
 }
 
 // heartbeatRan records when slot tag's instance first read its fleet: the
@@ -897,6 +983,8 @@ func (r *simRun) run() {
 			for _, i := range e.Who {
 				if in := insts[i]; in != nil && !in.closed.Load() {
 					in.closed.Store(true)
+					in.obs.left.Store(true)
+					r.viewed(i, nil, nil)
 					// In the background: Close waits for the instance's
 					// calls, which a hang holds until their budgets end,
 					// and the schedule's next events must not wait.
@@ -937,6 +1025,7 @@ func (r *simRun) run() {
 // share returns the part of the offered traffic slot i sends.
 func (r *simRun) share(i int) float64 {
 	n := r.s.Slots
+	i = r.shifted(i)
 	if r.s.Shape != "80/15/5" || n == 1 {
 		return 1 / float64(n)
 	}
@@ -953,12 +1042,21 @@ func (r *simRun) share(i int) float64 {
 
 func (r *simRun) key(rng *rand.Rand, i int) string {
 	if r.s.Shape == "sticky" {
-		return simKey(i % r.s.Keys)
+		return simKey(r.shifted(i) % r.s.Keys)
 	}
 	if rng.IntN(2) == 0 {
 		return simKey(0)
 	}
 	return simKey(rng.IntN(r.s.Keys))
+}
+
+// shifted returns whose traffic slot i serves now: its own, or after the
+// schedule's shift the next slot's.
+func (r *simRun) shifted(i int) int {
+	if r.s.Shift > 0 && r.since() >= r.s.Shift {
+		return (i + 1) % r.s.Slots
+	}
+	return i
 }
 
 // simKeys are the traffic's keys' names, made once.
@@ -979,7 +1077,6 @@ func simKey(k int) string {
 // of its stack to go-redis's depth, which the race detector makes dear.
 func (r *simRun) traffic(ctx context.Context, i int, in *instance) {
 	s := r.s
-	rate := s.Offered * r.share(i)
 	rng := rand.New(rand.NewPCG(s.Seed, uint64(i)+1))
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
@@ -993,6 +1090,7 @@ func (r *simRun) traffic(ctx context.Context, i int, in *instance) {
 	var calls sync.WaitGroup
 	defer calls.Wait()
 	for {
+		rate := s.Offered * r.share(i)
 		gap := time.Duration(rng.ExpFloat64() / rate * float64(time.Second))
 		timer.Reset(gap)
 		select {
@@ -1162,6 +1260,9 @@ func (r *simRun) check(v map[string][]string) {
 	}
 	for _, msg := range r.late {
 		add("schedule", "%s", msg)
+	}
+	for _, msg := range r.overOne {
+		add("weights-over-one", "%s", msg)
 	}
 	// Per call.
 	for _, rec := range recs {
@@ -1571,6 +1672,12 @@ func (r *simRun) checkFloor(add func(string, string, ...any)) {
 				// offered to no Limiter of the fleet, and waits for
 				// nothing: the caller's own instance is gone.
 				if errors.Is(rec.err, ErrClosed) {
+					continue
+				}
+				// Nor is one to an instance that joined during the
+				// outage: it holds what it was told (1/Instances) or, not
+				// told, nothing, which the floor does not count on.
+				if a := r.alive[rec.inst]; a.from > c.from {
 					continue
 				}
 				if rec.wait {
