@@ -467,7 +467,7 @@ func TestWeighSumsToAtMostOne(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	const windows = 6 // windows m .. m+windows-1
 	var checked, missed, unchained int
-	for trial := range 4000 {
+	for trial := range 6000 {
 		n := 1 + r.IntN(40)
 		// Each instance's report for each window; -1: none (not started
 		// yet, or its heartbeat was lost). Some windows have none at all.
@@ -504,6 +504,7 @@ func TestWeighSumsToAtMostOne(t *testing.T) {
 		var tickets [windows]int64
 		views := make([]*fleet, n)
 		last := make([]int, n)
+		learned := make([][windows]bool, n) // windows whose sums each instance got
 		for i := range views {
 			views[i] = &fleet{weight: 1.0 / 3, size: 3}
 			last[i] = windows - 1 - r.IntN(2)
@@ -520,8 +521,10 @@ func TestWeighSumsToAtMostOne(t *testing.T) {
 					tickets[w]++
 					h.Ticket = tickets[w]
 				}
+				learned[i][w] = true
 				if prev.known < h.Window-1 && w > 0 {
 					missed++
+					learned[i][w-1] = true
 					b := &h.Before
 					b.Read = true
 					b.Reporters, b.Total = sums(w - 1)
@@ -537,26 +540,43 @@ func TestWeighSumsToAtMostOne(t *testing.T) {
 				views[i] = weigh(h, reports[i][w], before, prev)
 			}
 		}
-		// The bound holds if there is one window with reports of whose
-		// part every instance holds no more: its view's window, or the
-		// one before whose part it took the lesser of.
+		// The rule bounds the sum when every instance learned the sum of
+		// the last window with reports it could have read, V, and of
+		// every window back to the one with reports before it, P: it then
+		// holds the view of V, and no more than its part of P, and all of
+		// them hold no more than their parts of one window (P, or V for
+		// those a window behind). An instance that did not (its reads of
+		// them failed) holds an older part, which the rule leaves out.
+		lastReported := func(w int) int {
+			for ; w >= 0; w-- {
+				if n, _ := sums(w); n > 0 {
+					return w
+				}
+			}
+			return -1
+		}
 		var sum float64
-		common := map[int64]int{}
-		held := 0
-		for _, v := range views {
+		ok := true
+		for i, v := range views {
 			if v.window == 0 {
 				continue // no window yet: 1/Instances, the configured guess
 			}
 			sum += v.weight
-			held++
-			common[v.window]++
-			if v.prior != 0 {
-				common[v.prior]++
+			V := lastReported(last[i])
+			entitled := V >= 0 && learned[i][V]
+			for w := V - 1; entitled && w >= 0; w-- {
+				entitled = learned[i][w]
+				if n, _ := sums(w); n > 0 {
+					break // P
+				}
 			}
-		}
-		ok := held == 0
-		for _, c := range common {
-			ok = ok || c == held
+			if !entitled {
+				ok = false
+				continue
+			}
+			if v.window != m+int64(V) {
+				t.Fatalf("trial %d: instance %d learned every window back from %d, and holds the view of %d", trial, i, V, v.window-m)
+			}
 		}
 		if !ok {
 			unchained++
