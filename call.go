@@ -195,8 +195,9 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 			nd.heard(lim.cfg.now())
 		}
 		if lim.heart != nil && res.Now > 0 {
-			if w := res.Now / lim.heart.every.Microseconds(); w > nd.window.Load() {
-				nd.window.Store(w)
+			// Answers arrive out of order: the window only moves on.
+			w := res.Now / lim.heart.every.Microseconds()
+			for old := nd.window.Load(); w > old && !nd.window.CompareAndSwap(old, w); old = nd.window.Load() {
 			}
 		}
 	}
