@@ -109,7 +109,8 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 		nd    *node
 		key   string
 		spent float64
-		first time.Time // when it was first sent
+		first time.Time   // when it was first sent
+		entry local.Entry // the key's entry Drain reported it of
 		req   remote.Request
 	}
 	var charges []charge
@@ -153,7 +154,7 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 			looked[key] = true
 		}
 		return ok
-	}, func(key string, spent float64) {
+	}, func(key string, spent float64, entry local.Entry) {
 		if looked[key] {
 			reported[key] = true
 		}
@@ -166,7 +167,7 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 		rl := ls.rl
 		add := func(p pendingCharge) {
 			units := int64(math.Round(math.Min(p.spent, float64(ls.Burst)) * float64(rl.P)))
-			charges = append(charges, charge{nd, key, p.spent, p.sent,
+			charges = append(charges, charge{nd, key, p.spent, p.sent, entry,
 				remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Units: units, Charge: true, Once: p.once}})
 		}
 		// What was charged and not answered goes again under its Once,
@@ -217,7 +218,7 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 			// which Redis applies at most once.
 			_, o := lim.call(ctx, c.nd, p, c.req)
 			if o == answered {
-				lim.shares.Settle(c.key, c.spent)
+				lim.shares.Settle(c.key, c.spent, c.entry)
 				return
 			}
 			mu.Lock()

@@ -355,15 +355,22 @@ func (s *Shares) Local(key string) bool {
 }
 
 // Settle records that Redis was charged with spent tokens of key that
-// Drain reported.
-func (s *Shares) Settle(key string, spent float64) {
+// Drain reported of entry e (the zero Entry: of whichever entry key has).
+// If key's entry is another one (e was evicted, and a new one made), it
+// owes nothing of that charge.
+func (s *Shares) Settle(key string, spent float64, e Entry) {
 	sh := s.shard(key)
 	sh.mu.Lock()
-	if b := sh.m[key]; b != nil {
+	if b := sh.m[key]; b != nil && (e.b == nil || e.b == b) {
 		b.owed = max(b.owed-spent, 0)
 	}
 	sh.mu.Unlock()
 }
+
+// Entry names the entry of a key that Drain reported, for Settle: a key
+// whose entry was evicted and made again since owes nothing of what was
+// reported then, and its new debt (Hold's) must not pay for it.
+type Entry struct{ b *bucket }
 
 // Drain reports, for every key that has a local bucket and for which match
 // (if not nil) is true, how many tokens this instance spent from it beyond
@@ -378,10 +385,11 @@ func (s *Shares) Settle(key string, spent float64) {
 //
 // match is called under a shard's lock: it must be quick and must not call
 // back into s. fn is called after each shard's lock is released.
-func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key string, spent float64)) {
+func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key string, spent float64, e Entry)) {
 	type spend struct {
 		key   string
 		spent float64
+		e     Entry
 	}
 	var out []spend
 	for i := range s.shards {
@@ -396,7 +404,7 @@ func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key s
 				spent = 0
 			}
 			if spent > 0 {
-				out = append(out, spend{k, spent})
+				out = append(out, spend{k, spent, Entry{b}})
 			}
 			b.owed = max(spent, 0)
 			if b.lim != nil {
@@ -407,7 +415,7 @@ func (s *Shares) Drain(now time.Time, match func(key string) bool, fn func(key s
 		}
 		sh.mu.Unlock()
 		for _, sp := range out {
-			fn(sp.key, sp.spent)
+			fn(sp.key, sp.spent, sp.e)
 		}
 		out = out[:0]
 	}

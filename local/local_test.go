@@ -354,8 +354,8 @@ func TestConcurrentManyKeys(t *testing.T) {
 				s.AllowN(now, key, 100, 10, 10.0, 1)
 				if i%100 == 0 {
 					s.Observe(now, int64(i), key, 5, 100, 10)
-					s.Settle(key, 1)
-					s.Drain(now, nil, func(string, float64) {})
+					s.Settle(key, 1, Entry{})
+					s.Drain(now, nil, func(string, float64, Entry) {})
 					s.Sweep(now)
 				}
 			}
@@ -530,7 +530,7 @@ func TestDrain(t *testing.T) {
 	at := t0.Add(200 * ms)             // 2 tokens refilled since t0
 	drain := func(at time.Time, match func(string) bool) map[string]float64 {
 		got := map[string]float64{}
-		s.Drain(at, match, func(key string, spent float64) { got[key] = spent })
+		s.Drain(at, match, func(key string, spent float64, _ Entry) { got[key] = spent })
 		return got
 	}
 	// a: untouched 5+2, holds 1+2. b: untouched 10 (full), holds 2.
@@ -538,7 +538,7 @@ func TestDrain(t *testing.T) {
 	if len(got) != 2 || math.Abs(got["a"]-4) > 1e-9 || math.Abs(got["b"]-8) > 1e-9 {
 		t.Errorf("Drain = %v; want map[a:4 b:8]", got)
 	}
-	s.Settle("a", 4) // Redis took a's charge; b's failed
+	s.Settle("a", 4, Entry{}) // Redis took a's charge; b's failed
 	// The drained buckets go on: a held 3 at t0+200ms, full at t0+1s.
 	if res := s.AllowN(t0.Add(time.Second), "a", r, 10, 10.0, 10); !res.Allowed {
 		t.Errorf("AllowN(10) on a after Drain = %+v; want allowed: 3 + 8 refilled", res)
@@ -554,8 +554,8 @@ func TestDrain(t *testing.T) {
 	if len(got) != 2 || math.Abs(got["a"]-10) > 1e-9 || math.Abs(got["b"]-8) > 1e-9 {
 		t.Errorf("second Drain = %v; want map[a:10 b:8]", got)
 	}
-	s.Settle("a", 10)
-	s.Settle("b", 8)
+	s.Settle("a", 10, Entry{})
+	s.Settle("b", 8, Entry{})
 	if got := drain(t0.Add(time.Second), nil); len(got) != 0 {
 		t.Errorf("Drain after Settle = %v; want nothing", got)
 	}
@@ -582,15 +582,15 @@ func TestDrainThenNewerObservation(t *testing.T) {
 	s := New(1000)
 	r := rate.Limit(10)
 	s.AllowN(t0, "k", r, 10, 10.0, 6) // 4 left
-	s.Drain(t0, nil, func(string, float64) {})
-	s.Settle("k", 6)
+	s.Drain(t0, nil, func(string, float64, Entry) {})
+	s.Settle("k", 6, Entry{})
 	s.AllowN(t0, "k", r, 10, 10.0, 1)         // 3 left, unreported
 	s.Observe(t0.Add(ms), 2, "k", 10, 10, 10) // Redis: full
 	if res := s.AllowN(t0.Add(ms), "k", r, 10, 10.0, 10); res.Allowed || res.Remaining != 9 {
 		t.Errorf("AllowN(10) after a newer observation = %+v; want denied, 9 left (10 less the 1 unreported)", res)
 	}
 	got := map[string]float64{}
-	s.Drain(t0.Add(ms), nil, func(key string, spent float64) { got[key] = spent })
+	s.Drain(t0.Add(ms), nil, func(key string, spent float64, _ Entry) { got[key] = spent })
 	if math.Abs(got["k"]-1) > 1e-9 {
 		t.Errorf("Drain = %v; want k: 1, the token spent before the observation", got)
 	}
@@ -686,7 +686,7 @@ func TestDrainAcrossLimitChange(t *testing.T) {
 	at := t0.Add(time.Second)
 	s.AllowN(at, "a", 20, 100, 100.0, 1)
 	var got float64
-	s.Drain(at.Add(time.Second), nil, func(_ string, spent float64) { got = spent })
+	s.Drain(at.Add(time.Second), nil, func(_ string, spent float64, _ Entry) { got = spent })
 	// 4 spent and refilled before the change; 1 spent after it, at a
 	// refill of 20/s, in a bucket below its burst of 100.
 	if math.Abs(got-1) > 1e-9 {
@@ -788,7 +788,7 @@ func TestHoldKeepsSpendingPastRefill(t *testing.T) {
 			s.Hold(t0, "k")
 		}
 		var got float64
-		s.Drain(t0.Add(100*time.Millisecond), nil, func(_ string, spent float64) { got += spent })
+		s.Drain(t0.Add(100*time.Millisecond), nil, func(_ string, spent float64, _ Entry) { got += spent })
 		want := 0.0 // refilled in 20 ms: nothing beyond the untouched bucket
 		if hold {
 			want = 1
@@ -812,11 +812,11 @@ func TestSweepKeepsWhatIsOwed(t *testing.T) {
 		t.Errorf("Sweep dropped %d buckets; want the one that owes kept", n)
 	}
 	var got float64
-	s.Drain(t0.Add(100*time.Millisecond), nil, func(_ string, spent float64) { got += spent })
+	s.Drain(t0.Add(100*time.Millisecond), nil, func(_ string, spent float64, _ Entry) { got += spent })
 	if math.Abs(got-1) > 1e-9 {
 		t.Errorf("Drain after Sweep reports %.4f tokens spent; want 1", got)
 	}
-	s.Settle("k", got)
+	s.Settle("k", got, Entry{})
 	if n := s.Sweep(t0.Add(200 * time.Millisecond)); n != 1 {
 		t.Errorf("Sweep once the charge is settled dropped %d buckets; want 1", n)
 	}
@@ -839,9 +839,9 @@ func TestSweepDropsWhatRoundingLeaves(t *testing.T) {
 		now := t0
 		for j := range 5 {
 			now = now.Add(time.Duration(1+i*7+j*13) * time.Millisecond / 3)
-			s.Drain(now, nil, func(key string, spent float64) {
+			s.Drain(now, nil, func(key string, spent float64, e Entry) {
 				if spent > Negligible {
-					s.Settle(key, spent)
+					s.Settle(key, spent, e)
 				}
 			})
 		}
@@ -864,11 +864,44 @@ func TestRefundCancelsWhatIsOwed(t *testing.T) {
 	s.Hold(t0, "k")
 	s.Refund(t0.Add(time.Millisecond), "k", 2)
 	var got float64
-	s.Drain(t0.Add(100*time.Millisecond), nil, func(_ string, spent float64) { got += spent })
+	s.Drain(t0.Add(100*time.Millisecond), nil, func(_ string, spent float64, _ Entry) { got += spent })
 	if math.Abs(got-1) > 1e-6 {
 		t.Errorf("Drain after 3 tokens held and 2 refunded reports %.4f tokens spent; want 1", got)
 	}
 	if res := s.AllowN(t0.Add(100*time.Millisecond), "k", 0.1, 10, 10, 9); !res.Allowed {
 		t.Errorf("AllowN(9) after the refund = %+v; want the 2 refunded tokens back in the bucket", res)
+	}
+}
+
+// TestSettleOfAnEvictedEntry: a charge of what Drain reported of a key's
+// entry, answered after that entry was evicted and a new one made for the
+// key, settles nothing of the new entry's debt: the new spending (held in
+// full at once, as a decision on a time-out is) is still owed.
+func TestSettleOfAnEvictedEntry(t *testing.T) {
+	s := New(maxShards) // 64 shards of 1
+	k := sameShard(s, 2)
+	r := rate.Limit(10)
+	s.AllowN(t0, k[0], r, 10, 10.0, 6)
+	var e Entry
+	s.Drain(t0, nil, func(key string, spent float64, entry Entry) {
+		if key == k[0] && math.Abs(spent-6) < 1e-9 {
+			e = entry
+		}
+	})
+	if e == (Entry{}) {
+		t.Fatalf("Drain did not report the 6 spent on %s", k[0])
+	}
+	s.AllowN(t0, k[1], r, 10, 10.0, 1) // evicts k[0], whose charge is in flight
+	s.AllowN(t0, k[0], r, 10, 10.0, 3) // a new entry for k[0] (evicting k[1])
+	s.Hold(t0, k[0])
+	s.Settle(k[0], 6, e) // the charge of the old entry is answered
+	var owed float64
+	s.Drain(t0, nil, func(key string, spent float64, _ Entry) {
+		if key == k[0] {
+			owed = spent
+		}
+	})
+	if math.Abs(owed-3) > 1e-9 {
+		t.Errorf("after the old entry's charge settled, %s owes %v; want the new entry's 3", k[0], owed)
 	}
 }
