@@ -3,6 +3,7 @@ package simredis
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"errors"
 	"math/rand/v2"
 	"reflect"
@@ -181,7 +182,7 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 	m := New()
 	rng := rand.New(rand.NewPCG(3, 4))
 	const tag = "{sim:f}:"
-	var befores, sums int // replies with window i-1's reading, and with its sum
+	var befores, sums, refused int // replies with window i-1's reading, with its sum; calls refused
 	for i := range 3000 {
 		w := []int64{50, 200, 1000}[rng.IntN(3)]
 		now := time.Now()
@@ -195,7 +196,9 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 		report := (rng.Int64N(1000) << 20) + 1
 		want := rng.IntN(8) // tickets, and window rd-1 too
 		keys := []string{tag + strconv.FormatInt(j, 10), tag + strconv.FormatInt(rd, 10)}
-		if want >= 2 || rng.IntN(4) == 0 {
+		// Window rd-1's key when asked for (but now and then not: an
+		// error, as it is without), and now and then when not.
+		if want >= 2 && rng.IntN(10) > 0 || want < 2 && rng.IntN(4) == 0 {
 			keys = append(keys, tag+strconv.FormatInt(rd-1, 10))
 		}
 		argv := []string{strconv.FormatInt(j, 10), strconv.FormatInt(report, 10), strconv.FormatInt(rd, 10), strconv.FormatInt(w, 10), strconv.Itoa(want)}
@@ -212,6 +215,17 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 		tx := c.TxPipeline()
 		clock := tx.Time(ctx)
 		eval := tx.EvalSha(ctx, fleetSHA, keys, args...)
+		if want >= 2 && len(keys) == 2 {
+			_, _ = tx.Exec(ctx)
+			m.mu.Lock()
+			model := m.fleet(time.Now(), keys[0], keys[1], "", argv)
+			m.mu.Unlock()
+			if err := eval.Err(); err == nil || fmt.Sprint(model) != err.Error() {
+				t.Fatalf("call %d %v %v without window rd-1's key: model %v, redis %v", i, keys, argv, model, err)
+			}
+			refused++
+			continue
+		}
 		if _, err := tx.Exec(ctx); err != nil {
 			t.Fatalf("call %d: EVALSHA: %v", i, err)
 		}
@@ -280,8 +294,8 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 	}
 	// The random calls must have met window i-1's reading, with and
 	// without a sum, for the comparison to say anything of it.
-	if befores < 100 || sums < 50 {
-		t.Errorf("%d replies read window i-1, %d of them with a sum; want at least 100 and 50", befores, sums)
+	if befores < 100 || sums < 50 || refused < 20 {
+		t.Errorf("%d replies read window i-1, %d of them with a sum, %d calls refused; want at least 100, 50 and 20", befores, sums, refused)
 	}
 }
 
