@@ -404,3 +404,60 @@ func (h *refuseCharges) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 func (h *refuseCharges) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return next
 }
+
+// TestResentChargeOfAnEvictedEntry: a local admission's charge runs in
+// Redis but its answer comes after the budget, so it stays pending under
+// its Once. Meanwhile the key's entry is evicted (MaxLocalKeys) and a new
+// one made, which spends as much again locally. The next pass must not
+// send the old entry's pending charge for the new entry's spending: Redis,
+// which applied that Once already, applies it again as nothing, and the
+// answer then settles the new entry's debt -- which Redis never gets.
+func TestResentChargeOfAnEvictedEntry(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		limit := Limit{Rate: 0.01, Burst: 10}
+		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond,
+			MaxLocalKeys: 1})
+		ctx := context.Background()
+		local := func(key string, n int64) {
+			t.Helper()
+			r.link.SetLatency(80 * time.Millisecond)
+			if d, err := r.lim.AllowN(ctx, key, n); err != nil || !d.Allowed || d.Mode != ModeLocal {
+				t.Fatalf("AllowN(%s, %d) = %+v, %v; want a local admission", key, n, d, err)
+			}
+		}
+		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("first decision: %+v, %v", d, err)
+		}
+		local("k", 5)                      // the first entry spends 5, held
+		time.Sleep(200 * time.Millisecond) // the pass, 100 ms on: its charge runs late, unanswered
+		r.link.SetLatency(0)
+		time.Sleep(200 * time.Millisecond) // its late answer is dropped
+		r.lim.reconciling <- struct{}{}
+		pending := len(r.lim.unanswered["k"])
+		<-r.lim.reconciling
+		rl, err := remote.NewLimit(limit.Rate, limit.Burst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pending != 1 || r.charged("k", rl) < 5-0.5 {
+			t.Fatalf("the first charge: %d pending, %.2f applied; want 1 pending, 5 applied", pending, r.charged("k", rl))
+		}
+		// j's answer evicts k's entry (one local key at most) and asks for
+		// a pass, 100 ms on; before it, a new entry of k spends 5 more.
+		if d, err := r.lim.Allow(ctx, "j"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("Allow(j) = %+v, %v; want a decision of Redis", d, err)
+		}
+		local("k", 5)
+		time.Sleep(60 * time.Millisecond) // the decision's late reply
+		r.link.SetLatency(0)
+		for range 5 {
+			time.Sleep(time.Second)
+			if d, err := r.lim.Allow(ctx, "j"); err != nil || d.Mode != ModeRemote {
+				t.Fatalf("Allow(j) = %+v, %v; want a decision of Redis", d, err)
+			}
+		}
+		if got := r.charged("k", rl); got < 10-0.5 {
+			t.Errorf("Redis was charged %.2f of the 10 tokens admitted locally by two entries of k (%d charges sent)", got, r.sent("k"))
+		}
+	})
+}

@@ -167,7 +167,7 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 		rl := ls.rl
 		add := func(p pendingCharge) {
 			units := int64(math.Round(math.Min(p.spent, float64(ls.Burst)) * float64(rl.P)))
-			charges = append(charges, charge{nd, key, p.spent, p.sent, entry,
+			charges = append(charges, charge{nd, key, p.spent, p.sent, p.entry,
 				remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Units: units, Charge: true, Once: p.once}})
 		}
 		// What was charged and not answered goes again under its Once,
@@ -176,9 +176,13 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 		// goes under a new one once those are answered, and stays owed
 		// until then: a new Once for each pass while Redis answers late
 		// would send one more charge each time, all of them every time.
+		// A charge drained from an entry the key no longer has (evicted,
+		// and made again) is not: the new entry owes nothing of it, and
+		// under a Once Redis may have applied already, the new entry's
+		// spending would be settled without ever being charged.
 		resent := false
 		for _, p := range lim.unanswered[key] {
-			if p.spent <= spent+local.Negligible && now.Sub(p.sent) < remote.OnceFor {
+			if p.entry == entry && p.spent <= spent+local.Negligible && now.Sub(p.sent) < remote.OnceFor {
 				add(p)
 				spent -= p.spent
 				resent = true
@@ -187,7 +191,7 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 		delete(lim.unanswered, key)
 		if !resent && spent > local.Negligible {
 			lim.onces++
-			add(pendingCharge{once: lim.onceBase + strconv.FormatUint(lim.onces, 36), spent: spent, sent: now})
+			add(pendingCharge{once: lim.onceBase + strconv.FormatUint(lim.onces, 36), spent: spent, sent: now, entry: entry})
 		}
 	})
 	for key := range lim.unanswered {
@@ -234,7 +238,7 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 			}
 			// Perhaps run: the next one goes under this Once, which is
 			// harmless if this one never left.
-			lim.unanswered[c.key] = append(lim.unanswered[c.key], pendingCharge{once: c.req.Once, spent: c.spent, sent: c.first})
+			lim.unanswered[c.key] = append(lim.unanswered[c.key], pendingCharge{once: c.req.Once, spent: c.spent, sent: c.first, entry: c.entry})
 			mu.Unlock()
 		})
 	}
@@ -248,5 +252,6 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 type pendingCharge struct {
 	once  string
 	spent float64
-	sent  time.Time // first sent: Redis keeps once for remote.OnceFor from about then
+	sent  time.Time   // first sent: Redis keeps once for remote.OnceFor from about then
+	entry local.Entry // the key's entry Drain reported it of
 }
