@@ -1,6 +1,7 @@
 package hybridlimit
 
 import (
+	"runtime"
 	"testing"
 	"time"
 
@@ -207,14 +208,17 @@ func TestSimWindowsTakeoverReservations(t *testing.T) {
 // a Limiter decided was admitted (6 of 6); the nine ErrClosed calls were
 // offered to no Limiter of the fleet, and do not raise the floor
 // (min(15, 10) - 1 = 9 counting them); nor do nine calls an instance that
-// joined during the outage denied (it holds nothing the floor counts on).
-// Denials by a live instance still do.
+// joined during the outage denied, if it was not told Instances (it holds
+// nothing). One told Instances holds 1/Instances, more than the floor's
+// share, once its own breaker must be open: its denials after its first
+// Failures calls do raise the floor. Denials by a live instance still do.
 func TestSimFloorIgnoresCallsToLeftInstances(t *testing.T) {
 	l := Limit{Rate: 200, Burst: 100} // floor: 200 × min(0.1/2, 1/2) = 10 a second
 	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
-	run := func(extra ...record) []string {
-		r := &simRun{s: schedule{Slots: 3, Instances: 2, CfgInst: 2, Policy: FailLocal, Keys: 2,
+	run := func(cfgInst int, extra ...record) []string {
+		r := &simRun{s: schedule{Slots: 3, Instances: 2, CfgInst: cfgInst, Policy: FailLocal, Keys: 2,
 			Timeout: 20 * time.Millisecond, Duration: 4 * time.Second, Limit: l}}
+		r.heard = map[int]time.Duration{0: 0, 1: 0} // both read the fleet long before
 		r.limits = append(r.limits, struct {
 			at time.Duration
 			l  Limit
@@ -240,23 +244,33 @@ func TestSimFloorIgnoresCallsToLeftInstances(t *testing.T) {
 		r.checkFloor(func(name, format string, args ...any) { got = append(got, name) })
 		return got
 	}
-	var closed, denied, joined []record
+	var closed, denied, joined, joinedEarly []record
 	for i := range 9 {
 		at := ms(1250 + 80*i)
 		closed = append(closed, record{inst: 1, key: "k0", n: 1, start: at, end: at, err: ErrClosed})
 		denied = append(denied, record{inst: 0, key: "k0", n: 1, mode: ModeLocal, start: at, end: at})
 		joined = append(joined, record{inst: 2, key: "k0", n: 1, mode: ModeLocal, start: at, end: at})
+		// Denied while its breaker could still be closed, admitted after.
+		joinedEarly = append(joinedEarly, record{inst: 2, key: "k0", n: 1, mode: ModeLocal, start: at, end: at,
+			allowed: i >= DefaultBreakerFailures})
 	}
-	if got := run(); len(got) != 0 {
+	if got := run(2); len(got) != 0 {
 		t.Errorf("6 admitted of 6 offered: %v; want none", got)
 	}
-	if got := run(closed...); len(got) != 0 {
+	if got := run(2, closed...); len(got) != 0 {
 		t.Errorf("6 admitted of 6 offered, and 9 calls to the instance that left: %v; want none", got)
 	}
-	if got := run(joined...); len(got) != 0 {
-		t.Errorf("6 admitted of 6 offered, and 9 denied by an instance that joined during the outage: %v; want none", got)
+	if got := run(0, joined...); len(got) != 0 {
+		t.Errorf("Instances 0: 6 admitted of 6 offered, and 9 denied by an instance that joined during the outage: %v; want none", got)
 	}
-	if got := run(denied...); len(got) != 1 || got[0] != "outage-floor" {
+	if got := run(2, joinedEarly...); len(got) != 0 {
+		t.Errorf("Instances 2: 6 admitted of 6 offered, and the first %d calls of an instance that joined during the outage denied, the rest admitted: %v; want none",
+			DefaultBreakerFailures, got)
+	}
+	if got := run(2, joined...); len(got) != 1 || got[0] != "outage-floor" {
+		t.Errorf("Instances 2: 6 admitted, and every call of an instance that joined during the outage (holding 1/2) denied: %v; want one outage-floor", got)
+	}
+	if got := run(2, denied...); len(got) != 1 || got[0] != "outage-floor" {
 		t.Errorf("6 admitted of 15 offered, 9 denied locally by the instance that stayed: %v; want one outage-floor", got)
 	}
 }
@@ -304,6 +318,16 @@ func TestSimWeightsOverOne(t *testing.T) {
 	if got := check(&fleet{window: m, prior: m - 1, weight: 0.6}, &fleet{weight: 0.5}); len(got) != 0 {
 		t.Errorf("0.6 held, and 1/Instances by one that has read no window: %v; want nothing", got)
 	}
+	// An instance that holds an older window's part (its reads failed) is
+	// outside the rule; the two that share window m-1 are not.
+	if got := check(&fleet{window: m - 5, prior: m - 6, weight: 0.3}, &fleet{window: m, prior: m - 1, weight: 0.6},
+		&fleet{window: m - 1, prior: m - 2, weight: 0.5}); len(got) != 1 {
+		t.Errorf("0.6 and 0.5 held, sharing window m-1, beside 0.3 of an older window: %v; want one", got)
+	}
+	if got := check(&fleet{window: m - 5, prior: m - 6, weight: 0.9}, &fleet{window: m, prior: m - 1, weight: 0.6},
+		&fleet{window: m - 1, prior: m - 2, weight: 0.4}); len(got) != 0 {
+		t.Errorf("0.6 and 0.4 held, sharing window m-1, beside 0.9 of an older window: %v; want nothing", got)
+	}
 	r := &simRun{}
 	a, b := &simObserver{}, &simObserver{}
 	r.viewed(0, a, &fleet{window: m, prior: m - 1, weight: 0.6})
@@ -313,5 +337,32 @@ func TestSimWeightsOverOne(t *testing.T) {
 	r.viewed(1, b, &fleet{window: m, prior: m - 1, weight: 0.5})
 	if len(r.overOne) != 0 {
 		t.Errorf("the view of an instance that left beside 0.5: %v; want nothing", r.overOne)
+	}
+}
+
+// TestSimShiftMovesTraffic: after the schedule's shift each slot serves
+// the next one's traffic, 80/15/5: slot 2 of 3 takes over slot 0's 80%.
+// Its arrivals must follow its new share from the shift on, not from the
+// end of a gap drawn for its old 5% (a mean of 2 s at 10 calls a second,
+// often past the run's end).
+func TestSimShiftMovesTraffic(t *testing.T) {
+	var got, want float64
+	for seed := uint64(1); seed <= 6; seed++ {
+		s := schedule{Seed: seed, Instances: 3, Slots: 3, CfgInst: 3, Policy: FailLocal, Limit: Limit{Rate: 100, Burst: 100},
+			Timeout: 50 * time.Millisecond, Probes: 1, Keys: 1, Shape: "80/15/5", Offered: 10, Deadline: "none", MaxN: 1,
+			Duration: 3 * time.Second, Shift: 2 * time.Second}
+		runtime.GC() // go-redis's timers of another bubble, out of its pool
+		runtime.GC()
+		_, recs := simulate(t, s)
+		for _, rec := range recs {
+			if rec.inst == 2 && !rec.wait && rec.start >= s.Shift {
+				got++
+			}
+		}
+		want += 0.8 * s.Offered * (s.Duration - s.Shift).Seconds()
+	}
+	t.Logf("slot 2 sent %.0f calls after the shift over 6 runs; %.0f expected", got, want)
+	if got < want/2 {
+		t.Errorf("slot 2 sent %.0f calls after the shift over 6 runs; want about %.0f (80%% of the offered traffic)", got, want)
 	}
 }

@@ -3,8 +3,8 @@ package simredis
 import (
 	"bytes"
 	"context"
-	"fmt"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"reflect"
 	"strconv"
