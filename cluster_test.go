@@ -285,11 +285,19 @@ func TestClusterShardDown(t *testing.T) {
 	}
 	r := newRig(t, clusterClients(t, cl, loadInstances), Config{Limit: Limit{Rate: 1e-3, Burst: burst}, Prefix: prefix})
 	var resumed time.Time
+	var healthyNodes []*redistest.Server
+	for _, s := range cl.Nodes {
+		if s != down {
+			healthyNodes = append(healthyNodes, s)
+		}
+	}
+	stalls := watchStalls(t, healthyNodes, loadTimeout)
 	// Every worker of every instance cycles through all the keys.
 	r.run(8*time.Second, func(inst, worker, i int) string { return keys[(inst+worker*loadInstances+i)%len(keys)] },
 		loadgen.Event{At: 2 * time.Second, Do: func() { down.Pause(t) }},
 		mark(5*time.Second, &resumed, func() { down.Resume(t) }),
 	)
+	stalled := stalls()
 	if resumed.IsZero() {
 		down.Resume(t)
 		t.Fatal("the run ended before SIGCONT")
@@ -302,6 +310,7 @@ func TestClusterShardDown(t *testing.T) {
 	r.checkLatency(loadTimeout + latencyMargin)
 
 	allowed := map[string]int{}
+	excused := map[string]int{}
 	var late decision
 	var notRemote, downRemote, downTotal int
 	for _, d := range r.decisions() {
@@ -310,6 +319,13 @@ func TestClusterShardDown(t *testing.T) {
 		}
 		off := d.start.Sub(r.start)
 		switch {
+		case !onDown[d.key] && d.Mode != ModeRemote && stalled(d.start, d.end):
+			// Its budget ran out while a plain PING to a healthy master
+			// took longer than the budget too: the machine (a busy CI
+			// runner) or the server stalled, not the limiter. A decision
+			// that timed out may also be run by Redis late and charged:
+			// its key may admit one less (docs/accuracy.md, recovery).
+			excused[d.key]++
 		case !onDown[d.key] && d.Mode != ModeRemote:
 			notRemote++
 		case onDown[d.key] && off >= 2200*time.Millisecond && off < 5*time.Second:
@@ -333,9 +349,12 @@ func TestClusterShardDown(t *testing.T) {
 		t.Logf("%s on the paused master: allowed %d in all; bucket %q %v", k, allowed[k], v, err)
 	}
 	for _, k := range keys {
-		if !onDown[k] && allowed[k] != burst {
-			t.Errorf("%s on a healthy master: allowed %d; want exactly %d", k, allowed[k], burst)
+		if !onDown[k] && (allowed[k] > burst || allowed[k] < burst-excused[k]) {
+			t.Errorf("%s on a healthy master: allowed %d; want exactly %d (less at most the %d decisions that timed out in a stall)", k, allowed[k], burst, excused[k])
 		}
+	}
+	if len(excused) > 0 {
+		t.Logf("decisions on healthy keys that timed out while a PING to a healthy master stalled too: %v", excused)
 	}
 	// Recovery of the paused master's keys, instance by instance.
 	var maxTook time.Duration
@@ -363,6 +382,57 @@ func TestClusterShardDown(t *testing.T) {
 	t.Logf("keys of the paused master back to Redis %v after SIGCONT (bound %v)", maxTook.Round(time.Millisecond), bound)
 	if maxTook > bound {
 		t.Errorf("keys of the paused master back to Redis %v after SIGCONT; want within %v", maxTook, bound)
+	}
+}
+
+// watchStalls PINGs each of nodes every 5 ms, on a client of its own,
+// until the test ends or the returned function is called; that function
+// returns a report of whether [from, to] overlapped a stall: a PING that
+// took longer than budget, or a wait that long for the next one to start
+// (a 5 ms sleep: this process was not scheduled). A decision on a healthy node that
+// timed out within a stall measured the machine, not the limiter.
+func watchStalls(t *testing.T, nodes []*redistest.Server, budget time.Duration) func() func(from, to time.Time) bool {
+	type span struct{ from, to time.Time }
+	var mu sync.Mutex
+	var stalls []span
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	for _, n := range nodes {
+		c := adminClient(t, n)
+		wg.Go(func() {
+			last := time.Now() // the end of the last PING
+			for ctx.Err() == nil {
+				start := time.Now()
+				_ = c.Ping(ctx).Err()
+				end := time.Now()
+				if end.Sub(start) > budget || start.Sub(last) > budget {
+					mu.Lock()
+					stalls = append(stalls, span{last, end})
+					mu.Unlock()
+				}
+				last = end
+				select {
+				case <-ctx.Done():
+				case <-time.After(5 * time.Millisecond):
+				}
+			}
+		})
+	}
+	stop := func() {
+		cancel()
+		wg.Wait()
+	}
+	t.Cleanup(stop)
+	return func() func(from, to time.Time) bool {
+		stop()
+		return func(from, to time.Time) bool {
+			for _, s := range stalls {
+				if s.from.Before(to) && from.Before(s.to) {
+					return true
+				}
+			}
+			return false
+		}
 	}
 }
 
