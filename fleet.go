@@ -592,9 +592,10 @@ func part(m, reporters, total, ticket, mine int64) *fleet {
 }
 
 // keyWeight returns this instance's part of key's limit while Redis is
-// away, given its view v and the key's node nd (nil: not known). If it has a part of the key's consumption in the
-// spans that end with the two windows of its view (the lesser of the two),
-// its key share is that part weighed as the weights weigh traffic:
+// away, given its view v and the key's node nd (nil: not known). If it
+// has a part of the key's consumption in the spans that end with the two
+// windows of its view (the lesser of the two), its key share is that part
+// weighed as the weights weigh traffic:
 //
 //	(1-evenPart) × part + (evenPart-reservePart)/n
 //

@@ -865,11 +865,11 @@ func (lim *Limiter) untilProbe(nd *node) time.Duration {
 }
 
 // share returns this instance's share of key's limit l, whose node is nd
-// (nil: not known): its rate, the
-// burst of its local bucket (at least 1, so that a token can be granted at
-// all), and its capacity, which may be a fraction of a token: the local
-// bucket starts from that, so that a fleet of many instances holding a
-// small burst does not grant a token at each instance at once.
+// (nil: not known): its rate, the burst of its local bucket (at least 1,
+// so that a token can be granted at all), and its capacity, which may be
+// a fraction of a token: the local bucket starts from that, so that a
+// fleet of many instances holding a small burst does not grant a token at
+// each instance at once.
 func (lim *Limiter) share(key string, l Limit, nd *node) (rate.Limit, int, float64) {
 	w := lim.keyWeight(key, lim.view.Load(), nd)
 	capacity := float64(l.Burst) * w
