@@ -413,11 +413,14 @@ func (h *refuseCharges) ProcessPipelineHook(next redis.ProcessPipelineHook) redi
 // which applied that Once already, applies it again as nothing, and the
 // answer then settles the new entry's debt -- which Redis never gets.
 func TestResentChargeOfAnEvictedEntry(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond,
 			MaxLocalKeys: 1})
 		ctx := context.Background()
+		// The connections warm opens are ready: a call that had to dial
+		// one over the slow link below would not reach Redis at all.
+		<-r.lim.warmed
 		local := func(key string, n int64) {
 			t.Helper()
 			r.link.SetLatency(80 * time.Millisecond)
