@@ -92,23 +92,14 @@ func runOutage(t testing.TB, srv *testRedis, o outage) []loadgen.Second {
 		lims = append(lims, lim)
 		deciders = append(deciders, decider(lim))
 	}
-	resumed := false
-	t.Cleanup(func() {
-		if !resumed {
-			srv.resume(t)
-		}
-	})
 	res := loadgen.Run(context.Background(), loadgen.Config{
 		Instances: deciders,
 		Weights:   weights,
 		Workers:   4,
 		Rate:      200,
 		Duration:  cmp.Or(o.until, runFor),
-		Events: []loadgen.Event{
-			{At: pauseAt, Do: func() { srv.pause(t) }},
-			{At: pauseAt + time.Second, Do: func() { logShares(t, lims, "k") }},
-			{At: resumeAt, Do: func() { srv.resume(t); resumed = true }},
-		},
+		Events: append(pauseEvents(t, srv, pauseAt, resumeAt, nil),
+			loadgen.Event{At: pauseAt + time.Second, Do: func() { logShares(t, lims, "k") }}),
 	})
 	t.Logf("%v:\n%s", o, loadgen.Table(res.Seconds))
 	return res.Seconds
@@ -280,6 +271,28 @@ func newKeyFleet(t testing.TB, srv *testRedis, prefix, keys string, seconds int,
 	return f
 }
 
+// pauseEvents returns the events that pause srv at pause, after calling
+// before if it is not nil, and resume it at resume. If the run ends
+// before resume, srv is resumed when the test ends: the test's other
+// cleanups still talk to it.
+func pauseEvents(t testing.TB, srv *testRedis, pause, resume time.Duration, before func()) []loadgen.Event {
+	var resumed atomic.Bool
+	t.Cleanup(func() {
+		if !resumed.Load() {
+			srv.resume(t)
+		}
+	})
+	return []loadgen.Event{
+		{At: pause, Do: func() {
+			if before != nil {
+				before()
+			}
+			srv.pause(t)
+		}},
+		{At: resume, Do: func() { srv.resume(t); resumed.Store(true) }},
+	}
+}
+
 // admitted returns key's admissions per second.
 func (f *keyFleet) admitted(key string) []int {
 	c := f.counts[strings.Index(f.keys, key)]
@@ -297,12 +310,6 @@ func (f *keyFleet) admitted(key string) []int {
 func runSticky(t testing.TB, srv *testRedis, noKeyShares bool, d time.Duration) (a, b []int) {
 	t.Helper()
 	f := newKeyFleet(t, srv, "sticky:", "AB", int(d/time.Second), noKeyShares)
-	resumed := false
-	t.Cleanup(func() {
-		if !resumed {
-			srv.resume(t)
-		}
-	})
 	f.start = time.Now()
 	loadgen.Run(context.Background(), loadgen.Config{
 		Instances: f.deciders,
@@ -318,11 +325,8 @@ func runSticky(t testing.TB, srv *testRedis, noKeyShares bool, d time.Duration) 
 			}
 			return "B"
 		},
-		Events: []loadgen.Event{
-			{At: pauseAt, Do: func() { srv.pause(t) }},
-			{At: pauseAt + time.Second, Do: func() { logShares(t, f.lims, "A", "B") }},
-			{At: resumeAt, Do: func() { srv.resume(t); resumed = true }},
-		},
+		Events: append(pauseEvents(t, srv, pauseAt, resumeAt, nil),
+			loadgen.Event{At: pauseAt + time.Second, Do: func() { logShares(t, f.lims, "A", "B") }}),
 	})
 	a, b = f.admitted("A"), f.admitted("B")
 	t.Logf("per-key shares off: %v\nkey A (sticky): %v\nkey B (even):   %v", noKeyShares, a, b)
@@ -369,12 +373,6 @@ func TestKeyShareMovesWithItsKey(t *testing.T) {
 			return s, w
 		}
 		var heldA, heldC, weights [3]float64
-		resumed := false
-		t.Cleanup(func() {
-			if !resumed {
-				srv.resume(t)
-			}
-		})
 		f.start = time.Now()
 		loadgen.Run(context.Background(), loadgen.Config{
 			Instances: f.deciders,
@@ -397,14 +395,10 @@ func TestKeyShareMovesWithItsKey(t *testing.T) {
 				}
 				return "A"
 			},
-			Events: []loadgen.Event{
-				{At: pause, Do: func() {
-					heldA, weights = shares("A")
-					heldC, _ = shares("C")
-					srv.pause(t)
-				}},
-				{At: seconds * time.Second, Do: func() { srv.resume(t); resumed = true }},
-			},
+			Events: pauseEvents(t, srv, pause, seconds*time.Second, func() {
+				heldA, weights = shares("A")
+				heldC, _ = shares("C")
+			}),
 		})
 		t.Logf("at the pause: weights %.3f; shares of A %.3f, of C %.3f", weights, heldA, heldC)
 		a, b, c := f.admitted("A"), f.admitted("B"), f.admitted("C")
