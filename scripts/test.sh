@@ -22,14 +22,18 @@ go vet ./...
 # and latencies against real servers under a 50 ms budget; run side by
 # side on two cores under the race detector, one package's load made the
 # other's healthy Redis look slow (the demo's first second went local).
+start=$SECONDS
 go test -race -count=1 -p 1 -timeout 15m "$@" ./...
+echo "== the suite took $((SECONDS - start)) s"
 
 # The simulator's long run: 2,000 seeds, each a fleet under faults drawn
 # from it, at virtual time (the suite above runs the first 100). A failing
 # seed prints the command that replays it. The extra arguments go before
 # -run, so that a -run of the caller's does not replace this one, and after
 # the rest, so that a -timeout or -sim.seeds of the caller's does.
+start=$SECONDS
 go test -race -count=1 -sim.seeds 2000 -timeout 15m "$@" -run 'TestSim$' .
+echo "== the simulator's 2,000 seeds took $((SECONDS - start)) s, build included"
 
 # Modules nested in the repository (extras whose dependencies stay out of
 # the library's go.mod) are tested the same way.
