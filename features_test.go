@@ -703,3 +703,79 @@ func TestKeySharesOfAFleetSumBelowTheReserve(t *testing.T) {
 	}
 	t.Logf("largest sum of key shares: %.4f (bound %.2f)", worst, 1-reservePart)
 }
+
+// TestRefundGivesBackOnlyWhatWasGranted: Refund gives back tokens "in the
+// path that granted d". A denial (Redis's, the cache's or the local
+// share's) granted nothing, a Shadowed decision's tokens were never taken,
+// and AllowAtMost's Granted may be less than asked: refunding more than
+// that mints tokens the bucket never gave. The per-IP/per-user pattern of
+// ExampleLimiter_Refund makes that easy: the refund is written for the
+// token asked, not for the one granted.
+func TestRefundGivesBackOnlyWhatWasGranted(t *testing.T) {
+	m, c := miniClient(t)
+	clock := newFakeClock(m)
+	for _, tc := range []struct {
+		name   string
+		client redis.UniversalClient
+		mode   Mode
+	}{
+		{"remote", c, ModeRemote},
+		{"local", refused(t), ModeLocal},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			lim := newLimiter(t, Config{Redis: tc.client, Limit: PerMinute(10), Heartbeat: -1, Instances: 1,
+				now: clock.Now, Prefix: t.Name() + ":"})
+			ctx := context.Background()
+			// take spends n tokens of key and returns the decision and
+			// the tokens it granted.
+			take := func(key string, n int64, atMost bool) (Decision, int64) {
+				t.Helper()
+				var d Decision
+				var err error
+				if atMost {
+					d, err = lim.AllowAtMost(ctx, key, n)
+				} else {
+					d, err = lim.AllowN(ctx, key, n)
+				}
+				if err != nil || d.Mode != tc.mode {
+					t.Fatalf("AllowN(%q, %d) = %+v, %v; want mode %v", key, n, d, err, tc.mode)
+				}
+				if !d.Allowed {
+					return d, 0
+				}
+				if atMost {
+					return d, d.Granted
+				}
+				return d, n
+			}
+			// A denied token, refunded: nothing was granted, so nothing
+			// goes back.
+			_, a := take("denied", 10, false)
+			d, _ := take("denied", 1, false)
+			if d.Allowed {
+				t.Fatalf("AllowN(1) on an empty bucket = %+v; want denied", d)
+			}
+			if err := lim.Refund(ctx, "denied", d, 5); err != nil {
+				t.Fatalf("Refund(denied) = %v", err)
+			}
+			_, b := take("denied", 5, false)
+			if got := a + b; got > 10 {
+				t.Errorf("%v: refunding a denial: admitted %d tokens without any time passing; want at most the burst, 10", tc.mode, got)
+			}
+			// AllowAtMost asked for 8 and was granted the 3 the bucket held;
+			// the caller gives back the 8 it asked for.
+			_, a = take("atmost", 7, false)
+			d, g := take("atmost", 8, true)
+			if g != 3 {
+				t.Fatalf("AllowAtMost(8) after 7 of 10 = %+v; want 3 granted", d)
+			}
+			if err := lim.Refund(ctx, "atmost", d, 8); err != nil && !errors.Is(err, ErrInvalidN) {
+				t.Fatalf("Refund(8) of an AllowAtMost that granted 3 = %v; want nil or ErrInvalidN", err)
+			}
+			_, b = take("atmost", 8, false)
+			if got := a + b; got > 10 {
+				t.Errorf("%v: refunding 8 of an AllowAtMost that granted 3: admitted %d tokens without any time passing; want at most the burst, 10", tc.mode, got)
+			}
+		})
+	}
+}

@@ -156,8 +156,11 @@ func (lim *Limiter) depth(ctx context.Context, key string) int64 {
 // other modes. Use it when a later check rejects what an earlier one
 // allowed (several limits on one request). It is best-effort: a refund that
 // Redis does not answer within Config.Timeout is lost, and between the
-// grant and the refund other decisions saw fewer tokens. It returns an
-// error only for bad input or after Close.
+// grant and the refund other decisions saw fewer tokens. A decision that
+// granted nothing (denied, or Shadowed: the limit denied it) has nothing to
+// give back, and n above d.Granted is an error wrapping ErrInvalidN: tokens
+// never taken would be minted. It returns an error only for bad input or
+// after Close.
 func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64) error {
 	if len(key) == 0 || len(key) > MaxKeyLen {
 		return fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
@@ -172,6 +175,12 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 	}
 	if lim.closed.Load() {
 		return ErrClosed
+	}
+	if !d.Allowed || d.Shadowed {
+		return nil // nothing was taken
+	}
+	if n > d.Granted {
+		return fmt.Errorf("%w: n=%d, more than the decision granted, %d", ErrInvalidN, n, d.Granted)
 	}
 	switch d.Mode {
 	case ModeLocal:
