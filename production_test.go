@@ -592,3 +592,49 @@ func TestWaitNCancelledReturnsAtOnce(t *testing.T) {
 		}
 	})
 }
+
+// TestWaitNReturnsAtClose: a WaitN sleeping between tries (its queue in
+// Redis is full, or the local share is empty during an outage) sleeps up
+// to maxWaitStep, a minute, before it tries again and meets ErrClosed. A
+// service that closes its limiter on shutdown then has callers blocked in
+// WaitN for up to a minute after Close returned: Close must wake them
+// with ErrClosed.
+func TestWaitNReturnsAtClose(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		c := simClient(t)
+		lim, err := New(Config{Redis: c, Limit: PerMinute(10), Heartbeat: -1, Instances: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer lim.Close()
+		ctx := context.Background()
+		if d, err := lim.AllowN(ctx, "k", 10); err != nil || !d.Allowed || d.Mode != ModeRemote {
+			t.Fatalf("AllowN(10) = %+v, %v; want allowed by Redis", d, err)
+		}
+		// A waiter reserves the next 10 tokens, a minute of refill: the
+		// queue is a burst deep, full.
+		first := make(chan error, 1)
+		go func() { first <- lim.WaitN(ctx, "k", 10) }()
+		defer func() {
+			// Granted before Close, it ends with its tokens.
+			if err := <-first; err != nil {
+				t.Errorf("WaitN(10) granted before Close = %v; want nil when its tokens are due", err)
+			}
+		}()
+		time.Sleep(time.Second)
+		done := make(chan error, 1)
+		var returned time.Duration
+		go func() {
+			start := time.Now()
+			err := lim.Wait(ctx, "k") // denied: sleeps on RetryAfter, 66 s, cut to a minute
+			returned = time.Since(start)
+			done <- err
+		}()
+		time.Sleep(time.Second)
+		lim.Close()
+		err = <-done
+		if !errors.Is(err, ErrClosed) || returned > time.Second+10*time.Millisecond {
+			t.Errorf("Wait blocked at Close returned %v, %v after it started (Close came 1 s in); want ErrClosed at Close", err, returned)
+		}
+	})
+}

@@ -28,11 +28,14 @@ func (lim *Limiter) Wait(ctx context.Context, key string) error {
 // round trip spent part of what it was sized to), the tokens are given
 // back in the background (a best-effort Refund). It returns at once
 // with an error wrapping context.DeadlineExceeded when its deadline cannot
-// be met, ctx's error if ctx ends first, and the errors of
-// AllowN; with Config.Shadow it never waits.
+// be met, ctx's error if ctx ends first, ErrClosed at once if Close comes
+// while it sleeps between tries, and the errors of AllowN; with
+// Config.Shadow it never waits.
 func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 	var t *time.Timer
-	sleep := func(d time.Duration) error {
+	// sleep waits d, or until ctx ends; with closing, also until Close
+	// (a try after it would only meet ErrClosed).
+	sleep := func(d time.Duration, closing <-chan struct{}) error {
 		if t == nil {
 			t = time.NewTimer(d)
 		} else {
@@ -43,6 +46,8 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 			return nil
 		case <-ctx.Done():
 			return ctx.Err()
+		case <-closing:
+			return ErrClosed
 		}
 	}
 	defer func() {
@@ -88,7 +93,8 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 				return fmt.Errorf("hybridlimit: WaitN(n=%d) reserved tokens due in %v, past the context's deadline: %w",
 					n, d.wait, context.DeadlineExceeded)
 			}
-			if err := sleep(d.wait); err != nil {
+			// Granted: the wait ends with the tokens, Close or not.
+			if err := sleep(d.wait, nil); err != nil {
 				giveBack() // not spent
 				return err
 			}
@@ -104,7 +110,7 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 			return fmt.Errorf("hybridlimit: WaitN(n=%d) for %v would exceed the context's deadline: %w",
 				n, delay, context.DeadlineExceeded)
 		}
-		if err := sleep(delay); err != nil {
+		if err := sleep(delay, lim.done); err != nil {
 			return err
 		}
 	}
