@@ -779,3 +779,32 @@ func TestRefundGivesBackOnlyWhatWasGranted(t *testing.T) {
 		})
 	}
 }
+
+// TestRefundNotGranted: a Refund of a decision that granted nothing (a
+// denial, or a denial that Config.Shadow let through) gives nothing back:
+// otherwise every denied request would mint a token, and a client whose
+// code refunds both checks of a request when either denies (the natural
+// way to write ExampleLimiter_Refund for two limits) doubles its limit.
+func TestRefundNotGranted(t *testing.T) {
+	_, c := miniClient(t)
+	for _, shadow := range []bool{false, true} {
+		lim := newLimiter(t, Config{Redis: c, Limit: PerMinute(1), Heartbeat: -1, Instances: 1, Shadow: shadow,
+			Prefix: t.Name() + ":" + map[bool]string{false: "enforce", true: "shadow"}[shadow] + ":"})
+		ctx := context.Background()
+		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed || d.Shadowed {
+			t.Fatalf("shadow %v: first Allow = %+v, %v; want allowed", shadow, d, err)
+		}
+		denied, err := lim.Allow(ctx, "k")
+		if err != nil || denied.Allowed != shadow || denied.Shadowed != shadow {
+			t.Fatalf("shadow %v: second Allow = %+v, %v; want a denial", shadow, denied, err)
+		}
+		if err := lim.Refund(ctx, "k", denied, 1); err != nil {
+			t.Fatalf("shadow %v: Refund = %v", shadow, err)
+		}
+		st, err := lim.Peek(ctx, "k")
+		if err != nil || st.Remaining != 0 {
+			t.Errorf("shadow %v: after refunding a denial, Peek = %+v, %v; want Remaining 0 (nothing was taken)",
+				shadow, st, err)
+		}
+	}
+}
