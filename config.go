@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"math"
 	"math/rand/v2"
+	"reflect"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -211,7 +212,9 @@ var (
 	// ErrInvalidConfig is wrapped by every error New returns; the message
 	// names the field.
 	ErrInvalidConfig = errors.New("hybridlimit: invalid config")
-	// ErrInvalidKey is returned for an empty key or one longer than MaxKeyLen.
+	// ErrInvalidKey is returned for an empty key, one longer than
+	// MaxKeyLen, or one starting "{hybridlimit-fleet:", the names of the
+	// fleet's heartbeat keys.
 	ErrInvalidKey = errors.New("hybridlimit: invalid key")
 	// ErrInvalidN is returned for n < 1 or, except by AllowAtMost, n > the
 	// key's Limit.Burst.
@@ -257,6 +260,12 @@ func (cfg *Config) validate() error {
 	}
 	if cfg.Redis == nil {
 		return bad("Redis is nil")
+	}
+	if v := reflect.ValueOf(cfg.Redis); v.Kind() == reflect.Pointer && v.IsNil() {
+		// A typed nil, such as a *redis.Client variable never assigned:
+		// the first call on it would panic, the first contact's in a
+		// goroutine of ours, which no recover of the caller's can catch.
+		return bad("Redis is a nil %T", cfg.Redis)
 	}
 	if r := cfg.Limit.Rate; !(r > 0) || math.IsInf(r, 0) {
 		return bad("Limit.Rate must be positive and finite, got %v", r)

@@ -156,7 +156,7 @@ func (lim *Limiter) tally(key string, n int64, ls *limits, allowed bool, left in
 // fleetKey returns the name the group's heartbeat keys start with, beside
 // its buckets; its hash tag puts them in one Cluster slot.
 func (lim *Limiter) fleetKey() string {
-	return lim.cfg.Prefix + "{hybridlimit-fleet:" + lim.cfg.Name + "}"
+	return lim.cfg.Prefix + reservedKeys + lim.cfg.Name + "}"
 }
 
 // heart is one Limiter's heartbeat: it reports to the fleet once per

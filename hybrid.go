@@ -34,6 +34,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -523,12 +524,30 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (d Decision
 	return d, lim.allowN(ctx, key, n, 0, false, &d)
 }
 
+// reservedKeys starts the keys that name no bucket: the fleet's heartbeat
+// hashes (fleetKey) sit beside the buckets under the same Prefix.
+const reservedKeys = "{hybridlimit-fleet:"
+
+// checkKey returns an error wrapping ErrInvalidKey if key cannot name a
+// bucket: empty, longer than MaxKeyLen, or the name of a heartbeat hash,
+// which a decision would replace with a bucket (a key taken from a
+// request could then stop the fleet's heartbeats).
+func checkKey(key string) error {
+	if len(key) == 0 || len(key) > MaxKeyLen {
+		return fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
+	}
+	if strings.HasPrefix(key, reservedKeys) {
+		return fmt.Errorf("%w: keys starting %q are reserved", ErrInvalidKey, reservedKeys)
+	}
+	return nil
+}
+
 // allowN is AllowN, filling d in place (a Decision is a few words, copied
 // through every frame otherwise, and this is the hottest path there is);
 // reserve and atMost are decide's.
 func (lim *Limiter) allowN(ctx context.Context, key string, n, reserve int64, atMost bool, d *Decision) error {
-	if len(key) == 0 || len(key) > MaxKeyLen {
-		return fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
+	if err := checkKey(key); err != nil {
+		return err
 	}
 	var own limits
 	ls, err := lim.limitFor(key, &own)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -490,4 +491,68 @@ func TestClose(t *testing.T) {
 	goleak.VerifyNone(t, before,
 		goleak.IgnoreAnyFunction("github.com/alicebob/miniredis/v2/server.(*Server).servePeer"),
 		goleak.IgnoreAnyFunction("github.com/alicebob/miniredis/v2/server.(*Server).servePeer.func2"))
+}
+
+// TestNewRejectsNilClient: a typed nil client (a *redis.Client variable
+// never assigned, put in the interface) is a bad Config like an untyped
+// nil: New returns ErrInvalidConfig, it does not panic, nor crash the
+// process from its background goroutine (a nil *redis.ClusterClient).
+func TestNewRejectsNilClient(t *testing.T) {
+	var (
+		single  *redis.Client
+		cluster *redis.ClusterClient
+		ring    *redis.Ring
+	)
+	for _, c := range []redis.UniversalClient{single, cluster, ring} {
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					t.Errorf("New(Redis: (%T)(nil)) panicked: %v", c, r)
+				}
+			}()
+			lim, err := New(Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1})
+			if lim != nil {
+				lim.Close()
+			}
+			if !errors.Is(err, ErrInvalidConfig) {
+				t.Errorf("New(Redis: (%T)(nil)) = %v; want ErrInvalidConfig", c, err)
+			}
+		}()
+	}
+}
+
+// TestReservedKeys: a key that names a heartbeat hash of the fleet
+// (Prefix + "{hybridlimit-fleet:" + Name + "}:" + window, a window being
+// Redis's time in Heartbeats, easy to guess) is refused with
+// ErrInvalidKey. Taken, its decision replaced the hash with a bucket, and
+// every later heartbeat of the window failed: a client whose API key (or
+// any value keyed by as is) names the coming windows kept the whole
+// fleet's heartbeats from forming a view (weight 0, no log), so that
+// under FailLocal with Instances unset an outage denied everything.
+func TestReservedKeys(t *testing.T) {
+	_, c := miniClient(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), Heartbeat: -1, Instances: 1})
+	ctx := context.Background()
+	key := "{hybridlimit-fleet:default}:" + strconv.FormatInt(time.Now().Unix(), 10)
+	if d, err := lim.Allow(ctx, key); !errors.Is(err, ErrInvalidKey) {
+		t.Errorf("Allow(%q) = %+v, %v; want ErrInvalidKey", key, d, err)
+	}
+	if _, err := lim.Peek(ctx, key); !errors.Is(err, ErrInvalidKey) {
+		t.Errorf("Peek(%q) = %v; want ErrInvalidKey", key, err)
+	}
+	if err := lim.Reset(ctx, key); !errors.Is(err, ErrInvalidKey) {
+		t.Errorf("Reset(%q) = %v; want ErrInvalidKey", key, err)
+	}
+	if err := lim.Refund(ctx, key, Decision{Allowed: true, Granted: 1, Mode: ModeRemote}, 1); !errors.Is(err, ErrInvalidKey) {
+		t.Errorf("Refund(%q) = %v; want ErrInvalidKey", key, err)
+	}
+	if d, err := lim.AllowAtMost(ctx, key, 1); !errors.Is(err, ErrInvalidKey) {
+		t.Errorf("AllowAtMost(%q) = %+v, %v; want ErrInvalidKey", key, d, err)
+	}
+	if err := lim.Wait(ctx, key); !errors.Is(err, ErrInvalidKey) {
+		t.Errorf("Wait(%q) = %v; want ErrInvalidKey", key, err)
+	}
+	if d, err := lim.Allow(ctx, "{hybridlimit}:user:42"); err != nil || !d.Allowed {
+		t.Errorf("Allow of a key with another hash tag = %+v, %v; want allowed", d, err)
+	}
 }

@@ -165,8 +165,8 @@ func (lim *Limiter) Reset(ctx context.Context, key string) error {
 // checkOp checks what Peek and Reset are given, as allowN does, and
 // returns the key's limits.
 func (lim *Limiter) checkOp(ctx context.Context, key string) (*limits, error) {
-	if len(key) == 0 || len(key) > MaxKeyLen {
-		return nil, fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
+	if err := checkKey(key); err != nil {
+		return nil, err
 	}
 	ls, err := lim.limitFor(key, new(limits))
 	if err != nil {

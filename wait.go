@@ -168,8 +168,8 @@ func (lim *Limiter) depth(ctx context.Context, key string) int64 {
 // never taken would be minted. It returns an error only for bad input or
 // after Close.
 func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64) error {
-	if len(key) == 0 || len(key) > MaxKeyLen {
-		return fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
+	if err := checkKey(key); err != nil {
+		return err
 	}
 	var own limits
 	ls, err := lim.limitFor(key, &own)
