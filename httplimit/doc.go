@@ -69,7 +69,9 @@
 // grant: between the two, other requests saw those tokens taken and may
 // have been denied for it; and a refund that Redis does not answer within
 // the limiter's Config.Timeout is lost. Put the rule most likely to deny
-// first.
+// first. Rules that should be given back together belong in one
+// Middleware: nested Middlewares decide on their own, and one that refuses
+// a request does not give back what the ones around it took for it.
 //
 // # Denials
 //
@@ -88,11 +90,17 @@
 // error, a bad limit from Config.LimitFor, a Cost above a key's burst, a
 // closed Limiter. Such an error is logged (Config.Logger), the tokens
 // already taken are refunded, and Config.ErrorHandler answers; the
-// default answers 500 Internal Server Error with a generic body. With
-// Config.PassOnError, the failing rule is skipped instead and the request
-// served. A decision does not end with the request's context: the limiter
-// bounds it by its Config.Timeout, and a client that hangs up has spent
-// its tokens all the same.
+// default answers 503 Service Unavailable for a closed Limiter (the server
+// is shutting down; the client may try another) and 500 Internal Server
+// Error for the rest, with a generic body. With Config.PassOnError, the
+// failing rule is skipped instead and the request served. A decision does
+// not end with the request's cancellation: the limiter bounds it by its
+// Config.Timeout, and a client that hangs up has spent its tokens all the
+// same. A deadline of the request's context (http.TimeoutHandler's, say)
+// does bound it: a Redis slower than what is left of it leaves the
+// decision to the failure policy within the deadline, and a request whose
+// deadline has passed before its rules decided gets the ErrorHandler's
+// answer (the default's is 503), logged at Debug only.
 //
 // # Header fields
 //

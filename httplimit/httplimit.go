@@ -67,8 +67,9 @@ type Config struct {
 	// ErrorHandler writes the response to a request that a rule could not
 	// decide: its KeyFunc returned an error, or its Limiter did (a limit
 	// that Config.LimitFor got wrong, a Cost above the key's burst, a
-	// closed Limiter). These are bugs or shutdown, never Redis failures.
-	// err is logged already. Nil means DefaultErrorHandler.
+	// closed Limiter), or the request's deadline passed first. These are
+	// bugs or shutdown, never Redis failures. err is logged already. Nil
+	// means DefaultErrorHandler.
 	ErrorHandler func(w http.ResponseWriter, r *http.Request, err error)
 	// PassOnError skips a rule that cannot decide, as if its key were "",
 	// instead of calling ErrorHandler: the request is served without that
@@ -194,9 +195,17 @@ func DefaultDenyHandler(w http.ResponseWriter, r *http.Request, d Denial) {
 	http.Error(w, "too many requests", http.StatusTooManyRequests)
 }
 
-// DefaultErrorHandler answers 500 Internal Server Error with a generic
-// plain-text body that says nothing of err.
+// DefaultErrorHandler answers 503 Service Unavailable for a closed Limiter
+// (hybridlimit.ErrClosed: the server is shutting down, and the client may
+// try another) or a request whose deadline passed before the rules
+// decided, and 500 Internal Server Error for every other error, which is a
+// bug on the server's side; each with a generic plain-text body that says
+// nothing of err.
 func DefaultErrorHandler(w http.ResponseWriter, r *http.Request, err error) {
+	if errors.Is(err, hybridlimit.ErrClosed) || errors.Is(err, context.DeadlineExceeded) {
+		http.Error(w, "service unavailable", http.StatusServiceUnavailable)
+		return
+	}
 	http.Error(w, "internal server error", http.StatusInternalServerError)
 }
 
@@ -212,8 +221,16 @@ type grant struct {
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
 	// The limiter bounds each decision by its Config.Timeout, so the
 	// request's end need not: a client that hangs up has still spent
-	// its tokens, and a refund must still reach Redis.
+	// its tokens, and a refund must still reach Redis. The request's
+	// deadline does bound the decisions (the limiter then decides within
+	// it, by its failure policy if Redis is slow), but not the refunds.
 	ctx := context.WithoutCancel(r.Context())
+	dctx := ctx
+	if dl, ok := r.Context().Deadline(); ok {
+		var cancel context.CancelFunc
+		dctx, cancel = context.WithDeadline(ctx, dl)
+		defer cancel()
+	}
 	var (
 		itemsBuf  [4]item
 		grantsBuf [4]grant
@@ -233,7 +250,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			continue
 		}
 		bkey := RuleKey(rule.Name, key)
-		d, err := rule.Limiter.AllowN(ctx, bkey, rule.Cost)
+		d, err := rule.Limiter.AllowN(dctx, bkey, rule.Cost)
 		if err != nil {
 			if m.failed(ctx, w, r, grants, fmt.Errorf("httplimit: rule %q: %w", rule.Name, err)) {
 				return
@@ -265,7 +282,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 // request was answered: unless PassOnError, the granted tokens are
 // refunded and ErrorHandler writes the response.
 func (m *Middleware) failed(ctx context.Context, w http.ResponseWriter, r *http.Request, grants []grant, err error) bool {
-	m.log.ErrorContext(ctx, "httplimit: rule could not decide", "method", r.Method, "path", r.URL.Path,
+	level := slog.LevelError
+	if errors.Is(err, context.DeadlineExceeded) {
+		level = slog.LevelDebug // the request's deadline passed: not a bug
+	}
+	m.log.Log(ctx, level, "httplimit: rule could not decide", "method", r.Method, "path", r.URL.Path,
 		"err", err, "pass", m.pass)
 	if m.pass {
 		return false

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -420,13 +421,15 @@ func TestErrors(t *testing.T) {
 	closed.Close()
 	failing := func(*http.Request) (string, error) { return "", errors.New("secret-key-error") }
 	for _, tc := range []struct {
-		name string
-		rule Rule
-		log  string
+		name   string
+		rule   Rule
+		log    string
+		status int
+		body   string
 	}{
-		{"closed", Rule{Name: "c", Limiter: closed, Key: perIP}, "limiter closed"},
-		{"key", Rule{Name: "k", Limiter: lim, Key: failing}, "secret-key-error"},
-		{"limit", Rule{Name: "bad", Limiter: lim, Key: perIP}, "invalid limit"},
+		{"closed", Rule{Name: "c", Limiter: closed, Key: perIP}, "limiter closed", 503, "service unavailable\n"},
+		{"key", Rule{Name: "k", Limiter: lim, Key: failing}, "secret-key-error", 500, "internal server error\n"},
+		{"limit", Rule{Name: "bad", Limiter: lim, Key: perIP}, "invalid limit", 500, "internal server error\n"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var logs bytes.Buffer
@@ -435,9 +438,9 @@ func TestErrors(t *testing.T) {
 				Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 			resp := get(h, "192.0.2.1:1")
 			b := body(resp)
-			if resp.StatusCode != 500 || b != "internal server error\n" || served.Load() != 0 {
-				t.Errorf("response %d %q, served %d; want 500 \"internal server error\\n\", not served",
-					resp.StatusCode, b, served.Load())
+			if resp.StatusCode != tc.status || b != tc.body || served.Load() != 0 {
+				t.Errorf("response %d %q, served %d; want %d %q, not served",
+					resp.StatusCode, b, served.Load(), tc.status, tc.body)
 			}
 			if !strings.Contains(logs.String(), tc.log) {
 				t.Errorf("log %q; want it to hold %q", logs.String(), tc.log)
@@ -591,5 +594,98 @@ func TestRedisOutage(t *testing.T) {
 			t.Fatalf("still degraded 5 s after resume: %v", resp.Header)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// hungRedis returns the address of a server that accepts connections and
+// reads them but never answers, a Redis that hangs, and a func that closes
+// it and its connections.
+func hungRedis(t *testing.T) (string, func()) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	conns := make(chan net.Conn, 100)
+	stop := func() {
+		ln.Close()
+		for {
+			select {
+			case c := <-conns:
+				c.Close()
+			default:
+				return
+			}
+		}
+	}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			select {
+			case conns <- c:
+			default:
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 4096)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return ln.Addr().String(), stop
+}
+
+// TestDecisionWithinRequestDeadline: a request whose context has a
+// deadline (http.TimeoutHandler, a gateway's per-request budget) shorter
+// than the limiter's Timeout gets the failure policy's decision within its
+// deadline when Redis hangs, as AllowN promises a caller with a short
+// deadline, instead of waiting the whole Timeout after its deadline passed.
+func TestDecisionWithinRequestDeadline(t *testing.T) {
+	addr, stop := hungRedis(t)
+	c := redis.NewClient(&redis.Options{Addr: addr})
+	t.Cleanup(func() { c.Close() })
+	lim := limiterOn(t, hybridlimit.Config{Redis: c, Limit: hybridlimit.PerSecond(100), Timeout: time.Second})
+	t.Cleanup(stop) // before the Limiter's Close, which waits for the calls sent
+	h, served := newHandler(t, Config{Rules: []Rule{{Name: "ip", Limiter: lim, Key: perIP}}})
+
+	const deadline = 100 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), deadline)
+	defer cancel()
+	r := httptest.NewRequest(http.MethodGet, "/", nil).WithContext(ctx)
+	r.RemoteAddr = "192.0.2.1:1"
+	w := httptest.NewRecorder()
+	start := time.Now()
+	h.ServeHTTP(w, r)
+	took := time.Since(start)
+	resp := w.Result()
+	if took > deadline+200*time.Millisecond {
+		t.Errorf("the middleware took %v for a request with a %v deadline; want the decision within the deadline", took, deadline)
+	}
+	if resp.StatusCode != 200 || served.Load() != 1 || !strings.Contains(resp.Header.Get(HeaderRateLimit), ParamDegraded) {
+		t.Errorf("response %d %v, served %d; want 200, served, decided locally", resp.StatusCode, resp.Header, served.Load())
+	}
+}
+
+// TestExpiredDeadline: a request whose deadline passed before its rules
+// decided is answered 503 by the default ErrorHandler, not 500, and not
+// served.
+func TestExpiredDeadline(t *testing.T) {
+	lim := newLimiter(t, hybridlimit.Config{Limit: hybridlimit.PerSecond(5)})
+	h, served := newHandler(t, Config{Rules: []Rule{{Name: "ip", Limiter: lim, Key: perIP}}})
+	ctx, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
+	defer cancel()
+	r := httptest.NewRequest(http.MethodGet, "/", nil).WithContext(ctx)
+	r.RemoteAddr = "192.0.2.1:1"
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, r)
+	if w.Code != http.StatusServiceUnavailable || served.Load() != 0 {
+		t.Errorf("expired deadline: %d, served %d; want 503, not served", w.Code, served.Load())
 	}
 }
