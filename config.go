@@ -283,14 +283,14 @@ func (cfg *Config) validate() error {
 		return bad("Timeout must not be negative, got %v", cfg.Timeout)
 	case cfg.OnFailure < FailLocal || cfg.OnFailure > FailClosed:
 		return bad("OnFailure is %v", cfg.OnFailure)
-	case cfg.Breaker.Failures < 0:
-		return bad("Breaker.Failures must not be negative, got %d", cfg.Breaker.Failures)
+	case cfg.Breaker.Failures < 0 || uint64(cfg.Breaker.Failures) > math.MaxUint32:
+		return bad("Breaker.Failures must be 0 to %d, got %d", uint64(math.MaxUint32), cfg.Breaker.Failures)
 	case cfg.Breaker.OpenFor < 0:
 		return bad("Breaker.OpenFor must not be negative, got %v", cfg.Breaker.OpenFor)
 	case math.IsNaN(cfg.Breaker.Jitter) || math.IsInf(cfg.Breaker.Jitter, 0) || cfg.Breaker.Jitter > 10:
 		return bad("Breaker.Jitter must be at most 10, got %v", cfg.Breaker.Jitter)
-	case cfg.Breaker.Probes < 0:
-		return bad("Breaker.Probes must not be negative, got %d", cfg.Breaker.Probes)
+	case cfg.Breaker.Probes < 0 || uint64(cfg.Breaker.Probes) > math.MaxUint32:
+		return bad("Breaker.Probes must be 0 to %d, got %d", uint64(math.MaxUint32), cfg.Breaker.Probes)
 	case cfg.MaxLocalKeys < 0:
 		return bad("MaxLocalKeys must not be negative, got %d", cfg.MaxLocalKeys)
 	case cfg.Lease < 0:

@@ -88,6 +88,18 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{"Lease", func(c *Config) { c.Lease = -1 }},
 		{"LeaseFor", func(c *Config) { c.LeaseFor = -time.Second }},
 	}
+	if strconv.IntSize == 64 {
+		// The breaker counts in uint32: 1<<32 must not wrap to 0, the
+		// default.
+		big := int(uint64(1) << 32)
+		tests = append(tests, []struct {
+			field string
+			edit  func(*Config)
+		}{
+			{"Breaker.Failures", func(c *Config) { c.Breaker.Failures = big }},
+			{"Breaker.Probes", func(c *Config) { c.Breaker.Probes = big }},
+		}...)
+	}
 	for _, tt := range tests {
 		cfg := ok
 		tt.edit(&cfg)
