@@ -66,7 +66,9 @@
 // to Redis each, and a call passes only if every one allows it. The first
 // denial stops the checking, and the tokens that the rules before it took
 // are given back with hybridlimit.Limiter.Refund (best-effort, as
-// httplimit explains).
+// httplimit explains). Rules that should be given back together belong in
+// one Interceptor: two chained ones decide on their own, and one that
+// refuses a call does not give back what the one before it took.
 //
 // # Denials
 //
