@@ -23,10 +23,13 @@ func (lim *Limiter) Wait(ctx context.Context, key string) error {
 // each grant costs Redis one call however many wait. If the queue is
 // deeper than that, or Redis is away and the local share decides, it
 // sleeps for the RetryAfter of the denial, plus up to a tenth more at
-// random, and tries again; it never spins. If ctx ends while it waits for a
-// reservation, or the reservation falls due after ctx's deadline (the
-// round trip spent part of what it was sized to), the tokens are given
-// back in the background (a best-effort Refund). It returns at once
+// random, and tries again; it never spins. If ctx ends while it sleeps
+// until a granted reservation falls due, or the reservation falls due
+// after ctx's deadline (the round trip spent part of what it was sized
+// to), the tokens are given back in the background (a best-effort Refund).
+// A reservation whose answer had not come when ctx ended stays taken: the
+// limiter cannot tell whether Redis ran it, and errs on refusing (the
+// waiters behind it wait n/Rate longer). It returns at once
 // with an error wrapping context.DeadlineExceeded when its deadline cannot
 // be met, ctx's error if ctx ends first, ErrClosed at once if Close comes
 // while it sleeps between tries, and the errors of AllowN; with
