@@ -158,7 +158,9 @@ type Config struct {
 	// Breaker configures the per-node circuit breakers.
 	Breaker BreakerConfig
 	// MaxLocalKeys bounds the local buckets held for FailLocal. Zero means
-	// DefaultMaxLocalKeys.
+	// DefaultMaxLocalKeys. Past it, a key whose bucket was evicted starts
+	// full again when it comes back: set it above the keys a service sees
+	// during an outage.
 	MaxLocalKeys int
 	// Lease, above zero, turns on lease mode, for keys hotter than one
 	// Redis core can serve: a decision sent to Redis also takes up to
