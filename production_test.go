@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -635,6 +636,44 @@ func TestWaitNReturnsAtClose(t *testing.T) {
 		err = <-done
 		if !errors.Is(err, ErrClosed) || returned > time.Second+10*time.Millisecond {
 			t.Errorf("Wait blocked at Close returned %v, %v after it started (Close came 1 s in); want ErrClosed at Close", err, returned)
+		}
+	})
+}
+
+// TestCloseWithUnboundedReadTimeout: a client whose ReadTimeout is -1 (no
+// socket deadline) and whose Redis hangs: decisions still go local within
+// their budget, and Close must return, not wait for a read that only the
+// user's client could end (it never does).
+func TestCloseWithUnboundedReadTimeout(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		sim, link := simredis.New(), simnet.NewLink()
+		t.Cleanup(sim.Close)
+		c := redis.NewClient(&redis.Options{Addr: "10.0.0.1:6379", ReadTimeout: -1,
+			Dialer: link.Dialer(func(c net.Conn) { sim.Serve(c, 0) })})
+		t.Cleanup(func() { c.Close() })
+		lim, err := New(Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := context.Background()
+		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("Allow = %+v, %v; want remote", d, err)
+		}
+		time.Sleep(2 * time.Second) // the first contact (warm) is over
+		link.Hang()
+		t.Cleanup(link.Resume)
+		start := time.Now()
+		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeLocal || time.Since(start) > 51*time.Millisecond {
+			t.Fatalf("Allow into a hung Redis = %+v, %v after %v; want local within 50ms", d, err, time.Since(start))
+		}
+		closed := make(chan struct{})
+		go func() { lim.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(time.Minute):
+			t.Errorf("Close did not return a minute after Redis hung, with ReadTimeout -1")
+			link.Resume()
+			<-closed
 		}
 	})
 }

@@ -81,7 +81,11 @@ type Pipe struct {
 	c      redis.UniversalClient
 	node   *Node
 	inline bool // c bounds reads by the context's deadline: a lone call may run on its caller
-	calls  chan *call
+	// unbounded: c bounds its reads by nothing (ReadTimeout -1 or -2,
+	// without ContextTimeoutEnabled): a call sent to a Redis that hangs
+	// returns only when Redis answers or the client is closed.
+	unbounded bool
+	calls     chan *call
 	// lone hands a call sent alone to a sender goroutine parked on it, if
 	// one is: waking a goroutine is cheaper than starting one, which also
 	// has to grow its stack to go-redis's depth.
@@ -186,13 +190,14 @@ func NewPipe(c redis.UniversalClient, inflight int, n *Node) *Pipe {
 		n = new(Node)
 	}
 	p := &Pipe{
-		c:      c,
-		node:   n,
-		inline: boundsReads(c),
-		calls:  make(chan *call, MaxBatch*inflight),
-		lone:   make(chan *call),
-		slots:  make(chan struct{}, inflight),
-		done:   make(chan struct{}),
+		c:         c,
+		node:      n,
+		inline:    boundsReads(c),
+		unbounded: readsUnbounded(c),
+		calls:     make(chan *call, MaxBatch*inflight),
+		lone:      make(chan *call),
+		slots:     make(chan struct{}, inflight),
+		done:      make(chan struct{}),
 	}
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	p.wg.Add(1)
@@ -214,6 +219,24 @@ func boundsReads(c redis.UniversalClient) bool {
 	case *redis.ClusterClient:
 		o := c.Options()
 		return o.ContextTimeoutEnabled && o.ReadTimeout >= 0 && o.WriteTimeout >= 0
+	}
+	return false
+}
+
+// readsUnbounded reports whether c sets no deadline of its own on a read,
+// and none of the context's either: its ReadTimeout is -1 (none) or -2
+// (no socket deadline at all), without ContextTimeoutEnabled. (After
+// go-redis's defaults, a Client's options hold 0 and -1 for those, a
+// ClusterClient's 0 and -2.)
+func readsUnbounded(c redis.UniversalClient) bool {
+	if boundsReads(c) {
+		return false
+	}
+	switch c := c.(type) {
+	case *redis.Client:
+		return c.Options().ReadTimeout <= 0
+	case *redis.ClusterClient:
+		return c.Options().ReadTimeout <= 0
 	}
 	return false
 }
@@ -387,6 +410,9 @@ func (p *Pipe) await(c *call) (res Result, answered bool, err error) {
 		}
 		return Result{}, false, c.ctx.Err()
 	case <-p.done:
+		if c.alone != nil {
+			p.land(c.alone) // nobody waits for it any more: Close may
+		}
 		return Result{}, false, ErrClosed
 	}
 }
@@ -405,6 +431,11 @@ func (p *Pipe) enter() bool {
 // Close stops the dispatcher and waits for it and for every batch in
 // flight: the client's own time-outs bound them. Calls still queued get
 // ErrClosed. Close is idempotent.
+//
+// A client that bounds its reads by nothing (see readsUnbounded) would
+// hold Close for as long as Redis hangs: Close then waits only until no
+// caller waits for a batch any more (each has its deadline), and a batch
+// still in go-redis returns when Redis answers or the client is closed.
 func (p *Pipe) Close() {
 	p.mu.Lock()
 	if !p.closed {
@@ -413,7 +444,27 @@ func (p *Pipe) Close() {
 		p.cancel()
 	}
 	p.mu.Unlock()
-	p.wg.Wait()
+	if !p.unbounded {
+		p.wg.Wait()
+		return
+	}
+	gone := make(chan struct{})
+	go func() {
+		p.wg.Wait()
+		close(gone)
+	}()
+	// Every slot is freed once its batch is answered or nobody waits for
+	// it: holding them all, Close knows no caller waits on the pipe.
+	for range cap(p.slots) {
+		select {
+		case p.slots <- struct{}{}:
+		case <-gone:
+			return
+		}
+	}
+	for range cap(p.slots) {
+		<-p.slots
+	}
 }
 
 // dispatch forms batches and starts a goroutine for each, until Close.
