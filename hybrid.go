@@ -959,12 +959,22 @@ func (lim *Limiter) warm() {
 	}
 }
 
-// sweep drops full local buckets every sweepEvery until Close.
+// sweep drops full local buckets every sweepEvery until Close. While
+// there is none (nor a lease), it sleeps until one is made: an idle
+// Limiter wakes nothing.
 func (lim *Limiter) sweep() {
 	defer lim.wg.Done()
-	t := time.NewTicker(sweepEvery)
+	t := time.NewTimer(sweepEvery)
 	defer t.Stop()
 	for {
+		if lim.shares.Empty() {
+			select {
+			case <-lim.shares.Made():
+			case <-lim.done:
+				return
+			}
+		}
+		t.Reset(sweepEvery)
 		select {
 		case <-t.C:
 			lim.shares.Sweep(lim.cfg.now())

@@ -677,3 +677,28 @@ func TestCloseWithUnboundedReadTimeout(t *testing.T) {
 		}
 	})
 }
+
+// TestIdleLimiterWakesNothing: a Limiter without a heartbeat that decides
+// nothing (every breaker closed, no local bucket) wakes no goroutine of
+// its own: 2,000 of them in one process should cost nothing
+// (docs/accuracy.md, "Idle Limiters"). Every wakeup that does work reads
+// the Limiter's clock.
+func TestIdleLimiterWakesNothing(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		c := simClient(t)
+		var reads atomic.Int64
+		cfg := Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1}
+		cfg.now = func() time.Time { reads.Add(1); return time.Now() }
+		lim, err := New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { lim.Close() })
+		time.Sleep(2 * time.Second) // the first contact is over
+		reads.Store(0)
+		time.Sleep(time.Minute)
+		if n := reads.Load(); n != 0 {
+			t.Errorf("an idle Limiter read its clock %d times in a minute; want 0 (it wakes nothing)", n)
+		}
+	})
+}

@@ -61,6 +61,7 @@ type Shares struct {
 	seed   maphash.Seed
 	epoch  time.Time // the origin of every mono
 	shards []shard
+	made   chan struct{} // see Made
 }
 
 // shard is one part of the key space.
@@ -70,8 +71,9 @@ type shard struct {
 	leases map[string]lease // nil until the first lease; at most max entries
 	max    int              // most entries m may hold; at least 1
 	epoch  *time.Time       // the Shares' epoch
+	made   chan struct{}    // the Shares' made
 
-	_ [24]byte // pads a shard to 64 bytes on 64-bit platforms, a cache line
+	_ [16]byte // pads a shard to 64 bytes on 64-bit platforms, a cache line
 }
 
 // lease is the whole tokens Redis leased to this instance for a key
@@ -150,10 +152,12 @@ func New(maxKeys int) *Shares {
 		seed:   maphash.MakeSeed(),
 		epoch:  time.Now(),
 		shards: make([]shard, n),
+		made:   make(chan struct{}, 1),
 	}
 	for i := range s.shards {
 		sh := &s.shards[i]
 		sh.epoch = &s.epoch
+		sh.made = s.made
 		sh.max = maxKeys / n
 		if i < maxKeys%n {
 			sh.max++
@@ -484,6 +488,7 @@ func (s *Shares) Lease(now time.Time, key string, tokens int64, until time.Time)
 			}
 		}
 		key = strings.Clone(key)
+		sh.tell()
 	case s.mono(now) < l.until:
 		tokens += l.tokens
 		end = max(end, l.until)
@@ -573,6 +578,26 @@ func (s *Shares) Sweep(now time.Time) int {
 	return dropped
 }
 
+// Made returns a channel that receives a value after a bucket or a lease
+// is made: an owner that calls Sweep only while Empty reports false (an
+// idle owner then wakes nothing) waits on it to start again.
+func (s *Shares) Made() <-chan struct{} { return s.made }
+
+// Empty reports whether s holds no bucket and no lease: Sweep would find
+// nothing to do.
+func (s *Shares) Empty() bool {
+	for i := range s.shards {
+		sh := &s.shards[i]
+		sh.mu.Lock()
+		n := len(sh.m) + len(sh.leases)
+		sh.mu.Unlock()
+		if n > 0 {
+			return false
+		}
+	}
+	return true
+}
+
 // Len returns the number of buckets held.
 func (s *Shares) Len() int {
 	n := 0
@@ -657,8 +682,17 @@ func (sh *shard) entry(now time.Time, key string, withPart bool) *bucket {
 			b = new(bucket)
 		}
 		sh.m[strings.Clone(key)] = b
+		sh.tell()
 	}
 	return b
+}
+
+// tell says on made that an entry or a lease was made.
+func (sh *shard) tell() {
+	select {
+	case sh.made <- struct{}{}:
+	default: // told already
+	}
 }
 
 // makeRoom makes room for one more entry. It looks at up to scanLimit
