@@ -565,3 +565,41 @@ func TestLayoutReadingHedged(t *testing.T) {
 		}
 	})
 }
+
+// TestCloseDuringClusterFirstContactWithUnboundedReadTimeout: a Cluster
+// client whose ReadTimeout is -1, and every node hung from before New:
+// the first contact waits in go-redis's reads of the layout, which only
+// Redis's answer ends. Close must return all the same.
+func TestCloseDuringClusterFirstContactWithUnboundedReadTimeout(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		t.Cleanup(func() { time.Sleep(30 * time.Second) }) // last
+		cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
+		t.Cleanup(cl.Close)
+		links := make([]*simnet.Link, len(cl.Nodes))
+		for i := range links {
+			links[i] = simnet.NewLink()
+		}
+		client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0), ReadTimeout: -1})
+		t.Cleanup(func() { client.Close() })
+		for _, l := range links {
+			l.Hang()
+			t.Cleanup(l.Resume)
+		}
+		lim, err := New(Config{Redis: client, Limit: PerSecond(10), Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(10 * time.Millisecond) // the first contact is under way
+		closed := make(chan struct{})
+		go func() { lim.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(time.Minute):
+			t.Errorf("Close did not return a minute after the Cluster hung during the first contact, with ReadTimeout -1")
+			for _, l := range links {
+				l.Resume()
+			}
+			<-closed
+		}
+	})
+}

@@ -8,6 +8,7 @@ import (
 	"hash/maphash"
 	"math"
 	"math/rand/v2"
+	"net"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -16,6 +17,8 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/internal/simnet"
+	"github.com/hybridlimit/hybridlimit/internal/simredis"
 	"github.com/hybridlimit/hybridlimit/lua"
 	"github.com/hybridlimit/hybridlimit/remote"
 	"github.com/redis/go-redis/v9"
@@ -417,4 +420,35 @@ func TestEarlyReadIsNotEmpty(t *testing.T) {
 	if sum > 1+1e-9 {
 		t.Errorf("at window m+4, 300 ms in, the weights add up to %.3f; want at most 1", sum)
 	}
+}
+
+// TestCloseDuringHeartbeatWithUnboundedReadTimeout: a client whose
+// ReadTimeout is -1, and a Redis that hangs while a heartbeat is in
+// flight: the pacer waits in go-redis's read, which only Redis's answer
+// ends. Close of the pacer's last Limiter must return all the same.
+func TestCloseDuringHeartbeatWithUnboundedReadTimeout(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		sim, link := simredis.New(), simnet.NewLink()
+		t.Cleanup(sim.Close)
+		c := redis.NewClient(&redis.Options{Addr: "10.0.0.1:6379", ReadTimeout: -1,
+			Dialer: link.Dialer(func(c net.Conn) { sim.Serve(c, 0) })})
+		t.Cleanup(func() { c.Close() })
+		lim, err := New(Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: 100 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(2 * time.Second) // the first contact is over, heartbeats run
+		link.Hang()
+		t.Cleanup(link.Resume)
+		time.Sleep(time.Second) // a heartbeat is in flight, unanswered
+		closed := make(chan struct{})
+		go func() { lim.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(time.Minute):
+			t.Errorf("Close did not return a minute after Redis hung during a heartbeat, with ReadTimeout -1")
+			link.Resume()
+			<-closed
+		}
+	})
 }

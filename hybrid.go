@@ -922,16 +922,33 @@ func (lim *Limiter) warm() {
 	}
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
+	// stuck is closed when the last attempt, which outlived its context
+	// inside a client that bounds no read (remote.Detach), returns: the
+	// next waits for it rather than wait there beside it.
+	var stuck <-chan struct{}
 	for wait := 100 * time.Millisecond; ; wait = min(2*wait, 5*time.Second) {
-		ctx, cancel := context.WithTimeout(lim.ctx, time.Second)
-		err := lim.cluster.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
-			lim.mapped.Store(true) // ForEachMaster calls fn only once a layout is loaded
-			err := remote.Load(ctx, c)
-			if !remote.IsFailure(err) {
-				remote.Ping(ctx, c, remote.DefaultInFlight, lim.cfg.Timeout)
+		if stuck != nil {
+			select {
+			case <-stuck:
+			case <-lim.done:
+				return
 			}
-			return err
+		}
+		ctx, cancel := context.WithTimeout(lim.ctx, time.Second)
+		var err, done error // done: ForEachMaster's, once it returned
+		stuck = remote.Detach(ctx, lim.cluster, func() {
+			done = lim.cluster.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error {
+				lim.mapped.Store(true) // ForEachMaster calls fn only once a layout is loaded
+				err := remote.Load(ctx, c)
+				if !remote.IsFailure(err) {
+					remote.Ping(ctx, c, remote.DefaultInFlight, lim.cfg.Timeout)
+				}
+				return err
+			})
 		})
+		if err = ctx.Err(); stuck == nil {
+			err = done
+		}
 		cancel()
 		if wait == 100*time.Millisecond {
 			close(lim.tried)
@@ -942,7 +959,7 @@ func (lim *Limiter) warm() {
 			// milliseconds under load: part of the first contact, not of
 			// the first decision's budget.
 			ctx, cancel := context.WithTimeout(lim.ctx, time.Second)
-			_ = lim.cluster.Ping(ctx).Err()
+			remote.Detach(ctx, lim.cluster, func() { _ = lim.cluster.Ping(ctx).Err() })
 			cancel()
 			if err != nil {
 				lim.cfg.Logger.Debug("hybridlimit: loading the scripts failed", "limiter", lim.cfg.Name, "err", err)

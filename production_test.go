@@ -678,6 +678,41 @@ func TestCloseWithUnboundedReadTimeout(t *testing.T) {
 	})
 }
 
+// TestCloseDuringFirstContactWithUnboundedReadTimeout: a client whose
+// ReadTimeout is -1 against a Redis that hangs from the start: the first
+// contact (warm) waits in go-redis's read, which nothing but Redis's answer
+// ends. Decisions still go local within their budget, and Close must
+// return, not wait for warm.
+func TestCloseDuringFirstContactWithUnboundedReadTimeout(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		sim, link := simredis.New(), simnet.NewLink()
+		t.Cleanup(sim.Close)
+		c := redis.NewClient(&redis.Options{Addr: "10.0.0.1:6379", ReadTimeout: -1,
+			Dialer: link.Dialer(func(c net.Conn) { sim.Serve(c, 0) })})
+		t.Cleanup(func() { c.Close() })
+		link.Hang()
+		t.Cleanup(link.Resume)
+		lim, err := New(Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(10 * time.Millisecond) // warm has sent its pipeline
+		start := time.Now()
+		if d, err := lim.Allow(context.Background(), "k"); err != nil || d.Mode != ModeLocal || time.Since(start) > 51*time.Millisecond {
+			t.Fatalf("Allow into a hung Redis = %+v, %v after %v; want local within 50ms", d, err, time.Since(start))
+		}
+		closed := make(chan struct{})
+		go func() { lim.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(time.Minute):
+			t.Errorf("Close did not return a minute after Redis hung during the first contact, with ReadTimeout -1")
+			link.Resume()
+			<-closed
+		}
+	})
+}
+
 // TestIdleLimiterWakesNothing: a Limiter without a heartbeat that decides
 // nothing (every breaker closed, no local bucket) wakes no goroutine of
 // its own: 2,000 of them in one process should cost nothing

@@ -2,7 +2,9 @@ package remote
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -92,6 +94,11 @@ type Beat struct {
 // second round trip. n is what is known of the node of the first beat's
 // key (nil: nothing), which Beats, called off the decisions' path, checks
 // and keeps up to date itself.
+//
+// Beats returns when ctx ends even if the client bounds its reads by
+// nothing (ReadTimeout -1 or -2): the beats it did not get answers for
+// then fail with ErrUnanswered, and the round trip goes on, inside the
+// client, until Redis answers or the client is closed.
 func Beats(ctx context.Context, c redis.UniversalClient, n *Node, beats []Beat) {
 	if len(beats) == 0 {
 		return
@@ -99,6 +106,44 @@ func Beats(ctx context.Context, c redis.UniversalClient, n *Node, beats []Beat) 
 	if n == nil {
 		n = new(Node)
 	}
+	// While a round trip that outlived its context is still inside the
+	// client, no other is started: each would wait there too.
+	if !n.detached.CompareAndSwap(false, true) {
+		for i := range beats {
+			beats[i].Heartbeat, beats[i].Err = Heartbeat{}, errStuck
+		}
+		return
+	}
+	// The round trip works on a copy of beats, which a detached one may
+	// still fill after Beats has returned.
+	own := slices.Clone(beats)
+	ran := false
+	if Detach(ctx, c, func() {
+		defer n.detached.Store(false)
+		beatsNow(ctx, c, n, own)
+		ran = true
+	}) == nil {
+		if !ran { // ctx had ended already: nothing was sent
+			n.detached.Store(false)
+			for i := range own {
+				own[i].Err = ctx.Err()
+			}
+		}
+		copy(beats, own)
+		return
+	}
+	for i := range beats {
+		beats[i].Heartbeat = Heartbeat{}
+		beats[i].Err = fmt.Errorf("%w: %w", ErrUnanswered, ctx.Err())
+	}
+}
+
+// errStuck is the error of a heartbeat not sent because an earlier round
+// trip to its node, which outlived its context, is still unanswered.
+var errStuck = errors.New("remote: an earlier heartbeat is still unanswered")
+
+// beatsNow is Beats, waiting as long as the client does.
+func beatsNow(ctx context.Context, c redis.UniversalClient, n *Node, beats []Beat) {
 	if n.needsTending() && n.busy.CompareAndSwap(false, true) {
 		n.tendNow(ctx, nodeClient(ctx, c, beats[0].Base))
 		n.busy.Store(false)
@@ -202,7 +247,25 @@ func parseReading(s, t any) (Reading, bool) {
 // Cluster, call it with each master's client (ClusterClient.ForEachMaster):
 // every node has its own cache and its own functions, which its replicas
 // receive. A Redis without functions is no error.
+//
+// Load returns when ctx ends even if the client bounds its reads by
+// nothing (ReadTimeout -1 or -2); the pipeline then goes on, inside the
+// client, until Redis answers or the client is closed.
 func Load(ctx context.Context, c redis.Cmdable) error {
+	u, _ := c.(redis.UniversalClient)
+	var err error
+	ran := false
+	if Detach(ctx, u, func() { err, ran = load(ctx, c), true }) != nil {
+		return fmt.Errorf("%w: %w", ErrUnanswered, ctx.Err())
+	}
+	if !ran {
+		return ctx.Err()
+	}
+	return err
+}
+
+// load is Load, waiting as long as the client does.
+func load(ctx context.Context, c redis.Cmdable) error {
 	pl := c.Pipeline()
 	scripts := []*redis.StringCmd{pl.ScriptLoad(ctx, takeScript.src), pl.ScriptLoad(ctx, fleetScript.src)}
 	_ = pl.FunctionLoad(ctx, library.src) // fails where there are no functions, or the library is there
@@ -228,7 +291,16 @@ func Load(ctx context.Context, c redis.Cmdable) error {
 // go-redis keeps the connections of pipelines in a pool of their own,
 // which Ping does not open. For a Cluster, call it with each master's
 // client.
+//
+// Ping returns when ctx ends even if the client bounds its reads by
+// nothing (ReadTimeout -1 or -2); the PINGs then go on, inside the client,
+// until Redis answers or the client is closed.
 func Ping(ctx context.Context, c redis.UniversalClient, n int, hold time.Duration) {
+	Detach(ctx, c, func() { ping(ctx, c, n, hold) })
+}
+
+// ping is Ping, waiting as long as the client does.
+func ping(ctx context.Context, c redis.UniversalClient, n int, hold time.Duration) {
 	one, _ := c.(*redis.Client)
 	if one != nil {
 		o := one.Options()

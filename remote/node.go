@@ -76,6 +76,9 @@ type Node struct {
 	state atomic.Uint32 // the functions (fnMask) and the noTime bit
 	clock atomic.Pointer[sample]
 	busy  atomic.Bool // a check or a clock reading is under way
+	// detached is set while a heartbeat round trip that outlived its
+	// context is still inside a client that bounds no read (Beats).
+	detached atomic.Bool
 }
 
 // The functions part of a Node's state.

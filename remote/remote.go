@@ -241,6 +241,35 @@ func readsUnbounded(c redis.UniversalClient) bool {
 	return false
 }
 
+// Detach runs f and returns once f has returned, or, if c bounds its
+// reads by nothing (ReadTimeout -1 or -2, without ContextTimeoutEnabled),
+// once ctx ends, whichever is first: a call into a Redis that hangs would
+// otherwise hold its caller, whatever ctx says, until Redis answers or the
+// client is closed. It returns nil if f returned (or, ctx having ended
+// already, was not run); otherwise f goes on in the background, inside
+// the client, and the channel returned is closed when it returns. f must
+// touch nothing that its caller uses meanwhile.
+func Detach(ctx context.Context, c redis.UniversalClient, f func()) <-chan struct{} {
+	if !readsUnbounded(c) {
+		f()
+		return nil
+	}
+	if ctx.Err() != nil {
+		return nil
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		f()
+	}()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return done
+	}
+}
+
 // Request is one run of the token-bucket script on Key's bucket.
 type Request struct {
 	Key   string
