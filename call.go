@@ -36,8 +36,9 @@ const (
 	callerGone
 	// moved: a Cluster node no longer owns the key's slot: the call was
 	// abandoned (watch), or the node forgotten while the call waited, to
-	// go to the new master. Whatever the old master runs is on data the
-	// takeover left behind.
+	// go to the new master, or the node refused it with MOVED (nothing
+	// ran). Whatever the old master runs is on data the takeover left
+	// behind.
 	moved
 )
 
@@ -76,14 +77,14 @@ const (
 func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Request) (remote.Result, outcome) {
 	budget := lim.budget(ctx)
 	if p == underProbe {
-		res, o, _ := lim.send(ctx, nd, nd.pipe, req, budget, false)
+		res, o, _, _ := lim.send(ctx, nd, nd.pipe, req, budget, false)
 		return res, o
 	}
 	if nd.cb.State() != breaker.StateClosed {
 		return remote.Result{}, down
 	}
 	if p == charging {
-		res, o, _ := lim.send(ctx, nd, nd.pipe, req, budget, false)
+		res, o, _, _ := lim.send(ctx, nd, nd.pipe, req, budget, false)
 		return res, o
 	}
 	ticket, ok := nd.cb.Allow()
@@ -94,7 +95,7 @@ func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Reque
 	if lim.cluster != nil {
 		start = time.Now()
 	}
-	res, o, verdict := lim.send(ctx, nd, nd.pipe, req, budget, lim.cluster != nil)
+	res, o, verdict, movedTo := lim.send(ctx, nd, nd.pipe, req, budget, lim.cluster != nil)
 	ticket.Done(verdict)
 	if o != moved {
 		return res, o
@@ -105,6 +106,11 @@ func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Reque
 		return remote.Result{}, down // nothing left: the failure policy's
 	}
 	to := lim.route(req.Key)
+	if movedTo != "" {
+		// The master the MOVED names owns the slot, whatever go-redis's
+		// layout (reloading since) or the limiter's still say.
+		to, _ = lim.ownNode(movedTo)
+	}
 	if to == nil || to == nd {
 		return remote.Result{}, down
 	}
@@ -126,7 +132,7 @@ func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Reque
 	if ticket, ok = to.cb.Allow(); !ok {
 		return remote.Result{}, down
 	}
-	res, o, verdict = lim.send(ctx, to, to.pipe, req, budget-time.Since(start), false)
+	res, o, verdict, _ = lim.send(ctx, to, to.pipe, req, budget-time.Since(start), false)
 	ticket.Done(verdict)
 	return res, o
 }
@@ -144,10 +150,11 @@ func (lim *Limiter) budget(ctx context.Context) time.Duration {
 // send sends req through pipe, nd's, within budget and classifies what
 // came back; the caller holds nd's ticket, or sends under a probe's. With
 // watch, a call to a quiet Cluster node is watched for a failover this
-// instance has not seen (see watch).
-func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req remote.Request, budget time.Duration, watch bool) (remote.Result, outcome, breaker.Outcome) {
+// instance has not seen (see watch). movedTo is the address of the master
+// a MOVED named, if the node answered with one.
+func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req remote.Request, budget time.Duration, watch bool) (_ remote.Result, _ outcome, _ breaker.Outcome, movedTo string) {
 	if budget <= 0 {
-		return remote.Result{}, callerGone, breaker.Excluded
+		return remote.Result{}, callerGone, breaker.Excluded, ""
 	}
 	rctx, cancel := context.WithTimeout(ctx, budget)
 	defer cancel()
@@ -176,7 +183,24 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	// found it gone.
 	abandoned := w != nil && w.moved()
 	if err != nil && (abandoned || errors.Is(err, remote.ErrClosed) && !lim.closed.Load()) {
-		return remote.Result{}, moved, breaker.Excluded
+		return remote.Result{}, moved, breaker.Excluded, ""
+	}
+	// A MOVED or ASK reaches the calls that go through the limiter's own
+	// client of a node (the new master after a failover it followed
+	// itself, a probe's), which, unlike go-redis's Cluster client, follows
+	// neither: the node refused the call before running it, and is not
+	// failing. go-redis is told to reload its layout, and a MOVED is
+	// followed (call). An ASK would need ASKING before the call on the
+	// node it names, which the pipe does not send: the failure policy
+	// decides, once per key until the slot's migration ends.
+	if lim.cluster != nil {
+		if addr, ask, ok := remote.Redirected(err); ok {
+			lim.cluster.ReloadState(lim.ctx)
+			if ask {
+				return remote.Result{}, down, breaker.Excluded, ""
+			}
+			return remote.Result{}, moved, breaker.Excluded, nodeAddr(addr, nd.addr)
+		}
 	}
 	o, verdict := lim.classify(ctx, err, budget)
 	switch verdict {
@@ -204,7 +228,7 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	if o == badValue {
 		lim.cfg.Logger.Error("hybridlimit: remote call failed", "key", req.Key, "err", err)
 	}
-	return res, o, verdict
+	return res, o, verdict, ""
 }
 
 // classify turns a call's error into its outcome and what it says of the

@@ -276,6 +276,72 @@ func TestSettlingWaitBudget(t *testing.T) {
 	})
 }
 
+// TestMigrationAfterFailover: after a failover that the limiter followed
+// itself (go-redis still routed the key to the hung master), so that the
+// new master's node sends through the limiter's own client of it, the
+// key's slot is migrated to another, healthy shard. Every decision on it
+// must stay Redis's, as go-redis's Cluster client follows MOVED, and the
+// node the slot left (healthy) must count no failure.
+func TestMigrationAfterFailover(t *testing.T) {
+	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
+		cl, links, lim := onSimCluster(t, Config{Limit: PerSecond(1000), Timeout: 50 * time.Millisecond, Heartbeat: -1, Instances: 1}, ctxTimeout)
+		ctx := context.Background()
+		const key = "k"
+		shard := cl.ShardOf(DefaultPrefix + key)
+		time.Sleep(time.Second)
+		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("before the fault: %+v, %v; want remote", d, err)
+		}
+		time.Sleep(time.Second)
+		hangMaster(t, cl, links, shard)
+		time.Sleep(500 * time.Millisecond)
+		if err := cl.Takeover(shard); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(1500 * time.Millisecond)
+		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("after the takeover: %+v, %v; want remote", d, err)
+		}
+		newAddr := cl.Nodes[cl.Master(shard)].Addr
+		nd := (*lim.nodes.Load())[newAddr]
+		if nd == nil {
+			t.Fatalf("no node for %s, the new master", newAddr)
+		}
+		failed := nd.failed.Load()
+		time.Sleep(time.Second)
+		cl.MoveSlot(remote.Slot(DefaultPrefix+key), (shard+1)%3)
+		// Another key of the shard the slot left, decided between them:
+		// its successes would hide failures from the breaker's state.
+		key2 := ""
+		for i := 0; key2 == ""; i++ {
+			if k := fmt.Sprint("o", i); cl.ShardOf(DefaultPrefix+k) == shard {
+				key2 = k
+			}
+		}
+		var modes []Mode
+		for range 20 {
+			if _, err := lim.Allow(ctx, key2); err != nil {
+				t.Fatal(err)
+			}
+			d, err := lim.Allow(ctx, key)
+			if err != nil {
+				t.Fatal(err)
+			}
+			modes = append(modes, d.Mode)
+			time.Sleep(10 * time.Millisecond)
+		}
+		for _, m := range modes {
+			if m != ModeRemote {
+				t.Errorf("decisions after the slot moved to a healthy shard: %v; want all remote", modes)
+				break
+			}
+		}
+		if nd.failed.Load() != failed {
+			t.Errorf("%s, the healthy master the slot left, counted a failure", newAddr)
+		}
+	})
+}
+
 // TestKeepLayout: readings overlap, and the one that began last wins
 // whatever order they end in: one begun before a takeover, still waiting
 // for the master that hangs, must not replace what a later reading found.

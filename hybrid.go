@@ -404,18 +404,31 @@ func (lim *Limiter) masterFor(key string) (*node, error) {
 		return nil, err
 	}
 	addr := c.Options().Addr
-	var own *redis.Client
 	if o := lim.override(key, addr); o != "" {
 		// go-redis still routes the key to a node that is not usable,
 		// and the layout read since names another master.
-		addr = o
-		if nd := (*lim.nodes.Load())[addr]; nd != nil {
-			return nd, nil
-		}
-		if own = lim.ownClient(addr); own == nil {
-			return nil, ErrClosed
-		}
+		return lim.ownNode(o)
 	}
+	return lim.nodeAt(addr, nil)
+}
+
+// ownNode returns the node of the master at addr; one made now sends
+// through the limiter's own client of addr, since go-redis routes its
+// keys elsewhere still.
+func (lim *Limiter) ownNode(addr string) (*node, error) {
+	if nd := (*lim.nodes.Load())[addr]; nd != nil {
+		return nd, nil
+	}
+	own := lim.ownClient(addr)
+	if own == nil {
+		return nil, ErrClosed
+	}
+	return lim.nodeAt(addr, own)
+}
+
+// nodeAt returns the node of the master at addr, made with own (see
+// newNode) if there is none.
+func (lim *Limiter) nodeAt(addr string, own *redis.Client) (*node, error) {
 	if nd := (*lim.nodes.Load())[addr]; nd != nil {
 		return nd, nil
 	}

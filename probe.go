@@ -132,13 +132,13 @@ func (lim *Limiter) probe(ctx context.Context, nd *node) {
 		}
 		pipe, req := lim.probePipe(nd), remote.Request{Key: p.key, Limit: p.rl, Charge: true}
 		budget := lim.budget(ctx)
-		_, o, verdict := lim.send(ctx, nd, pipe, req, budget, false)
+		_, o, verdict, _ := lim.send(ctx, nd, pipe, req, budget, false)
 		// A probe takes nothing, so it may run twice: on a connection
 		// found broken, it goes again on the client's next one rather
 		// than leaving the breaker open for another open period per
 		// connection the client pooled before Redis came back.
 		for again := 0; o == broken && again < probeRetries && ctx.Err() == nil; again++ {
-			_, o, verdict = lim.send(ctx, nd, pipe, req, budget, false)
+			_, o, verdict, _ = lim.send(ctx, nd, pipe, req, budget, false)
 		}
 		if verdict == breaker.Success && i >= lim.cfg.Breaker.Probes {
 			lim.reconcile(ctx, nd)

@@ -17,7 +17,8 @@ import (
 // READONLY, MASTERDOWN, CLUSTERDOWN, OOM, BUSY, TRYAGAIN, NOREPLICAS,
 // MISCONF, a MOVED or ASK that reached the caller, and "max number of
 // clients reached". Any other server error (WRONGTYPE, ERR ..., NOSCRIPT,
-// redis.Nil) means the node is healthy.
+// redis.Nil) means the node is healthy. (Over a Cluster, a MOVED or ASK
+// means a healthy node that refused the call: ask Redirected first.)
 //
 // Errors the server did not answer with are failures: network errors
 // (net.Error, time-outs included; io.EOF, io.ErrUnexpectedEOF; refused or
@@ -56,6 +57,24 @@ func IsFailure(err error) bool {
 		// BUSYGROUP out; they are answers, not states.
 		redis.HasErrorPrefix(rerr, "BUSY ") ||
 		redis.HasErrorPrefix(rerr, "MISCONF ")
+}
+
+// Redirected reports whether err is a Cluster node's MOVED or ASK reply,
+// and the address it names: the node did not run the command, since the
+// key's slot is served at addr, for good (MOVED) or, while the slot
+// migrates, for this key after an ASKING (ask).
+func Redirected(err error) (addr string, ask, ok bool) {
+	var rerr redis.Error
+	if err == nil || !errors.As(err, &rerr) {
+		return "", false, false
+	}
+	if addr, ok := redis.IsMovedError(rerr); ok {
+		return addr, false, true
+	}
+	if addr, ok := redis.IsAskError(rerr); ok {
+		return addr, true, true
+	}
+	return "", false, false
 }
 
 // IsBrokenConn reports whether err says that the connection a command went

@@ -140,6 +140,26 @@ func TestIsFailureGoRedis(t *testing.T) {
 	}
 }
 
+func TestRedirected(t *testing.T) {
+	for _, tt := range []struct {
+		err       error
+		addr      string
+		ask, redi bool
+	}{
+		{nil, "", false, false},
+		{errDown, "", false, false},
+		{errWrongType, "", false, false},
+		{serverError("MOVED 3999 127.0.0.1:6381"), "127.0.0.1:6381", false, true},
+		{serverError("ASK 3999 127.0.0.1:6381"), "127.0.0.1:6381", true, true},
+		{fmt.Errorf("wrapped: %w", serverError("MOVED 1 10.0.0.2:6379")), "10.0.0.2:6379", false, true},
+	} {
+		addr, ask, ok := Redirected(tt.err)
+		if addr != tt.addr || ask != tt.ask || ok != tt.redi {
+			t.Errorf("Redirected(%v) = %q, %v, %v; want %q, %v, %v", tt.err, addr, ask, ok, tt.addr, tt.ask, tt.redi)
+		}
+	}
+}
+
 // serve answers each command read from conn with reply, and HELLO with an
 // error so that go-redis stays on RESP2. It returns when conn is closed.
 func serve(conn net.Conn, reply string) {

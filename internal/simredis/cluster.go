@@ -347,3 +347,30 @@ func (c *Cluster) Dialer(links []*simnet.Link, tag int) func(context.Context, st
 		return links[i].Dial(func(conn net.Conn) { n.Serve(conn, tag) })
 	}
 }
+
+// MoveSlot gives slot to shard, with the keys of slot its old master
+// holds, as a finished migration (MIGRATE, then CLUSTER SETSLOT NODE)
+// leaves it: every node answers MOVED for it from then on.
+func (c *Cluster) MoveSlot(slot, shard int) {
+	l := c.layout.Load()
+	from, to := c.Nodes[l.master[l.owner[slot]]], c.Nodes[l.master[shard]]
+	moved := map[string]*value{}
+	from.mu.Lock()
+	for k, v := range from.data {
+		if remote.Slot(k) == slot {
+			moved[k] = v
+			delete(from.data, k)
+		}
+	}
+	from.mu.Unlock()
+	to.mu.Lock()
+	for k, v := range moved {
+		to.data[k] = v
+	}
+	to.mu.Unlock()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	nl := *c.layout.Load()
+	nl.owner[slot] = uint8(shard)
+	c.publish(&nl)
+}
