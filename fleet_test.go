@@ -8,7 +8,6 @@ import (
 	"hash/maphash"
 	"math"
 	"math/rand/v2"
-	"net"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -17,8 +16,6 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
-	"github.com/hybridlimit/hybridlimit/internal/simnet"
-	"github.com/hybridlimit/hybridlimit/internal/simredis"
 	"github.com/hybridlimit/hybridlimit/lua"
 	"github.com/hybridlimit/hybridlimit/remote"
 	"github.com/redis/go-redis/v9"
@@ -428,11 +425,7 @@ func TestEarlyReadIsNotEmpty(t *testing.T) {
 // ends. Close of the pacer's last Limiter must return all the same.
 func TestCloseDuringHeartbeatWithUnboundedReadTimeout(t *testing.T) {
 	bubble(t, func(t *testing.T) {
-		sim, link := simredis.New(), simnet.NewLink()
-		t.Cleanup(sim.Close)
-		c := redis.NewClient(&redis.Options{Addr: "10.0.0.1:6379", ReadTimeout: -1,
-			Dialer: link.Dialer(func(c net.Conn) { sim.Serve(c, 0) })})
-		t.Cleanup(func() { c.Close() })
+		c, link := unboundedClient(t)
 		lim, err := New(Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: 100 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
@@ -441,14 +434,6 @@ func TestCloseDuringHeartbeatWithUnboundedReadTimeout(t *testing.T) {
 		link.Hang()
 		t.Cleanup(link.Resume)
 		time.Sleep(time.Second) // a heartbeat is in flight, unanswered
-		closed := make(chan struct{})
-		go func() { lim.Close(); close(closed) }()
-		select {
-		case <-closed:
-		case <-time.After(time.Minute):
-			t.Errorf("Close did not return a minute after Redis hung during a heartbeat, with ReadTimeout -1")
-			link.Resume()
-			<-closed
-		}
+		closesWithinAMinute(t, lim, "Redis hung during a heartbeat", link.Resume)
 	})
 }

@@ -640,17 +640,43 @@ func TestWaitNReturnsAtClose(t *testing.T) {
 	})
 }
 
+// unboundedClient returns, for a test inside a bubble, a client of a
+// fresh simulated Redis that bounds no read (ReadTimeout -1, without
+// ContextTimeoutEnabled: a read waits until Redis answers), and the link
+// it dials over.
+func unboundedClient(t *testing.T) (*redis.Client, *simnet.Link) {
+	sim, link := simredis.New(), simnet.NewLink()
+	t.Cleanup(sim.Close)
+	c := redis.NewClient(&redis.Options{Addr: "10.0.0.1:6379", ReadTimeout: -1,
+		Dialer: link.Dialer(func(c net.Conn) { sim.Serve(c, 0) })})
+	t.Cleanup(func() { c.Close() })
+	return c, link
+}
+
+// closesWithinAMinute closes lim, inside a bubble, and fails the test if
+// Close has not returned a minute later, after what (a hang of a client
+// that bounds no read); then resume ends the hang, so that Close and the
+// bubble can end.
+func closesWithinAMinute(t *testing.T, lim *Limiter, what string, resume func()) {
+	t.Helper()
+	closed := make(chan struct{})
+	go func() { lim.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(time.Minute):
+		t.Errorf("Close did not return a minute after %s, with ReadTimeout -1", what)
+		resume()
+		<-closed
+	}
+}
+
 // TestCloseWithUnboundedReadTimeout: a client whose ReadTimeout is -1 (no
 // socket deadline) and whose Redis hangs: decisions still go local within
 // their budget, and Close must return, not wait for a read that only the
 // user's client could end (it never does).
 func TestCloseWithUnboundedReadTimeout(t *testing.T) {
 	bubble(t, func(t *testing.T) {
-		sim, link := simredis.New(), simnet.NewLink()
-		t.Cleanup(sim.Close)
-		c := redis.NewClient(&redis.Options{Addr: "10.0.0.1:6379", ReadTimeout: -1,
-			Dialer: link.Dialer(func(c net.Conn) { sim.Serve(c, 0) })})
-		t.Cleanup(func() { c.Close() })
+		c, link := unboundedClient(t)
 		lim, err := New(Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
 		if err != nil {
 			t.Fatal(err)
@@ -666,15 +692,7 @@ func TestCloseWithUnboundedReadTimeout(t *testing.T) {
 		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeLocal || time.Since(start) > 51*time.Millisecond {
 			t.Fatalf("Allow into a hung Redis = %+v, %v after %v; want local within 50ms", d, err, time.Since(start))
 		}
-		closed := make(chan struct{})
-		go func() { lim.Close(); close(closed) }()
-		select {
-		case <-closed:
-		case <-time.After(time.Minute):
-			t.Errorf("Close did not return a minute after Redis hung, with ReadTimeout -1")
-			link.Resume()
-			<-closed
-		}
+		closesWithinAMinute(t, lim, "Redis hung", link.Resume)
 	})
 }
 
@@ -685,11 +703,7 @@ func TestCloseWithUnboundedReadTimeout(t *testing.T) {
 // return, not wait for warm.
 func TestCloseDuringFirstContactWithUnboundedReadTimeout(t *testing.T) {
 	bubble(t, func(t *testing.T) {
-		sim, link := simredis.New(), simnet.NewLink()
-		t.Cleanup(sim.Close)
-		c := redis.NewClient(&redis.Options{Addr: "10.0.0.1:6379", ReadTimeout: -1,
-			Dialer: link.Dialer(func(c net.Conn) { sim.Serve(c, 0) })})
-		t.Cleanup(func() { c.Close() })
+		c, link := unboundedClient(t)
 		link.Hang()
 		t.Cleanup(link.Resume)
 		lim, err := New(Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
@@ -701,15 +715,7 @@ func TestCloseDuringFirstContactWithUnboundedReadTimeout(t *testing.T) {
 		if d, err := lim.Allow(context.Background(), "k"); err != nil || d.Mode != ModeLocal || time.Since(start) > 51*time.Millisecond {
 			t.Fatalf("Allow into a hung Redis = %+v, %v after %v; want local within 50ms", d, err, time.Since(start))
 		}
-		closed := make(chan struct{})
-		go func() { lim.Close(); close(closed) }()
-		select {
-		case <-closed:
-		case <-time.After(time.Minute):
-			t.Errorf("Close did not return a minute after Redis hung during the first contact, with ReadTimeout -1")
-			link.Resume()
-			<-closed
-		}
+		closesWithinAMinute(t, lim, "Redis hung during the first contact", link.Resume)
 	})
 }
 
