@@ -808,3 +808,29 @@ func TestRefundNotGranted(t *testing.T) {
 		}
 	}
 }
+
+// TestRefundShadowedPartialGrant: under Config.Shadow, an AllowAtMost that
+// the bucket grants only part of (3 of 8) is Shadowed with Granted 8, but
+// the bucket did give its 3: a Refund of them must put them back, as it
+// does without Shadow. Treating every Shadowed decision as "nothing taken"
+// loses them.
+func TestRefundShadowedPartialGrant(t *testing.T) {
+	_, c := miniClient(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerMinute(10), Heartbeat: -1, Instances: 1, Shadow: true,
+		Prefix: t.Name() + ":"})
+	ctx := context.Background()
+	if d, err := lim.AllowN(ctx, "k", 7); err != nil || !d.Allowed || d.Shadowed {
+		t.Fatalf("AllowN(7) = %+v, %v; want allowed, not Shadowed", d, err)
+	}
+	d, err := lim.AllowAtMost(ctx, "k", 8)
+	if err != nil || !d.Shadowed {
+		t.Fatalf("AllowAtMost(8) after 7 of 10 = %+v, %v; want Shadowed", d, err)
+	}
+	if err := lim.Refund(ctx, "k", d, 8); err != nil {
+		t.Fatalf("Refund(8) = %v", err)
+	}
+	st, err := lim.Peek(ctx, "k")
+	if err != nil || st.Remaining != 3 {
+		t.Errorf("after refunding a Shadowed AllowAtMost that took 3, Peek = %+v, %v; want Remaining 3", st, err)
+	}
+}

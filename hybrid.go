@@ -124,6 +124,10 @@ type Decision struct {
 	Cached bool
 
 	wait time.Duration // WaitN: how long a reservation must wait
+	// took is, for a Shadowed decision, the tokens the limit did grant
+	// and the bucket gave (AllowAtMost's partial grant): Refund gives
+	// back no more.
+	took int64
 }
 
 // Limiter decides, per key, whether an event may happen now. Create it
@@ -256,7 +260,8 @@ const sweepEvery = 10 * time.Second
 // that makes the first contact with Redis, one that drops idle local
 // buckets, one that probes nodes whose breaker is open, one that charges
 // Redis for local spending when a node's breaker closes; Close stops them
-// and waits for them to return. The fleet heartbeats of all Limiters that
+// and waits for them to return (with a client that bounds no read, not for
+// those still inside it: see Close). The fleet heartbeats of all Limiters that
 // share one client are sent by one goroutine, which the first of them
 // starts and the last to Close stops and waits for.
 //
@@ -595,6 +600,7 @@ func (lim *Limiter) allowN(ctx context.Context, key string, n, reserve int64, at
 		d.Granted = n
 	}
 	if lim.cfg.Shadow && d.Granted < asked {
+		d.took = d.Granted
 		d.Allowed, d.Shadowed, d.Granted = true, true, asked
 	}
 	if lim.cfg.Observer != nil {
@@ -1017,8 +1023,11 @@ func (lim *Limiter) sweep() {
 // Close stops the limiter's goroutines and waits for them to return;
 // decisions after Close return ErrClosed. A decision in flight may still
 // finish, and Close waits for Redis calls already sent, which the client's
-// own time-outs bound. Close leaves the Redis client open. It is idempotent
-// and always returns nil.
+// own time-outs bound. With a client that bounds no read (ReadTimeout -1
+// or -2, without ContextTimeoutEnabled) it does not wait for those calls:
+// the goroutines that sent them return when Redis answers or the client is
+// closed. Close leaves the Redis client open. It is idempotent and always
+// returns nil.
 func (lim *Limiter) Close() error {
 	lim.once.Do(func() {
 		lim.mu.Lock()

@@ -166,10 +166,11 @@ func (lim *Limiter) depth(ctx context.Context, key string) int64 {
 // allowed (several limits on one request). It is best-effort: a refund that
 // Redis does not answer within Config.Timeout is lost, and between the
 // grant and the refund other decisions saw fewer tokens. A decision that
-// granted nothing (denied, or Shadowed: the limit denied it) has nothing to
-// give back, and n above d.Granted is an error wrapping ErrInvalidN: tokens
-// never taken would be minted. It returns an error only for bad input or
-// after Close.
+// granted nothing (denied, or Shadowed: the limit denied it) has nothing
+// to give back, a Shadowed AllowAtMost gives back at most what the bucket
+// did grant, and otherwise n above d.Granted is an error wrapping
+// ErrInvalidN: tokens never taken would be minted. It returns an error
+// only for bad input or after Close.
 func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64) error {
 	if err := checkKey(key); err != nil {
 		return err
@@ -185,10 +186,17 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 	if lim.closed.Load() {
 		return ErrClosed
 	}
-	if !d.Allowed || d.Shadowed {
+	if !d.Allowed {
 		return nil // nothing was taken
 	}
-	if n > d.Granted {
+	if d.Shadowed {
+		// Granted counts what Shadow let through; the bucket gave only
+		// d.took (AllowAtMost's partial grant; 0 for a denial).
+		if d.took == 0 {
+			return nil
+		}
+		n = min(n, d.took)
+	} else if n > d.Granted {
 		return fmt.Errorf("%w: n=%d, more than the decision granted, %d", ErrInvalidN, n, d.Granted)
 	}
 	switch d.Mode {

@@ -68,8 +68,8 @@ type Config struct {
 	// decide: its KeyFunc returned an error, or its Limiter did (a limit
 	// that Config.LimitFor got wrong, a Cost above the key's burst, a
 	// closed Limiter), or the request's deadline passed first. These are
-	// bugs or shutdown, never Redis failures. err is logged already. Nil
-	// means DefaultErrorHandler.
+	// bugs, shutdown or a spent deadline, never Redis failures. err is
+	// logged already. Nil means DefaultErrorHandler.
 	ErrorHandler func(w http.ResponseWriter, r *http.Request, err error)
 	// PassOnError skips a rule that cannot decide, as if its key were "",
 	// instead of calling ErrorHandler: the request is served without that
