@@ -215,7 +215,7 @@ var (
 	// names the field.
 	ErrInvalidConfig = errors.New("hybridlimit: invalid config")
 	// ErrInvalidKey is returned for an empty key, one longer than
-	// MaxKeyLen, or one starting "{hybridlimit-fleet:", the names of the
+	// MaxKeyLen, or one holding "{hybridlimit-fleet:", which names the
 	// fleet's heartbeat keys.
 	ErrInvalidKey = errors.New("hybridlimit: invalid key")
 	// ErrInvalidN is returned for n < 1 or, except by AllowAtMost, n > the

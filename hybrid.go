@@ -542,20 +542,23 @@ func (lim *Limiter) AllowN(ctx context.Context, key string, n int64) (d Decision
 	return d, lim.allowN(ctx, key, n, 0, false, &d)
 }
 
-// reservedKeys starts the keys that name no bucket: the fleet's heartbeat
-// hashes (fleetKey) sit beside the buckets under the same Prefix.
+// reservedKeys is in the names of keys that are no bucket: the fleet's
+// heartbeat hashes (fleetKey) sit beside the buckets, under the Prefix.
 const reservedKeys = "{hybridlimit-fleet:"
 
 // checkKey returns an error wrapping ErrInvalidKey if key cannot name a
-// bucket: empty, longer than MaxKeyLen, or the name of a heartbeat hash,
-// which a decision would replace with a bucket (a key taken from a
-// request could then stop the fleet's heartbeats).
+// bucket: empty, longer than MaxKeyLen, or one that may name a heartbeat
+// hash, which a decision would replace with a bucket (a key taken from a
+// request could then stop the fleet's heartbeats). Not only at its start:
+// with Limiters on one Redis whose Prefixes nest ("hl:" and "hl:api:"),
+// the key "api:{hybridlimit-fleet:..." of the first names a hash of the
+// second.
 func checkKey(key string) error {
 	if len(key) == 0 || len(key) > MaxKeyLen {
 		return fmt.Errorf("%w: length %d, want 1 to %d bytes", ErrInvalidKey, len(key), MaxKeyLen)
 	}
-	if strings.HasPrefix(key, reservedKeys) {
-		return fmt.Errorf("%w: keys starting %q are reserved", ErrInvalidKey, reservedKeys)
+	if strings.Contains(key, reservedKeys) {
+		return fmt.Errorf("%w: keys holding %q are reserved", ErrInvalidKey, reservedKeys)
 	}
 	return nil
 }

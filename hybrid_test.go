@@ -564,6 +564,11 @@ func TestReservedKeys(t *testing.T) {
 	if err := lim.Wait(ctx, key); !errors.Is(err, ErrInvalidKey) {
 		t.Errorf("Wait(%q) = %v; want ErrInvalidKey", key, err)
 	}
+	// Another Limiter on the same Redis whose Prefix is this one's and
+	// "api:" has its heartbeat hashes at this one's key "api:{hybridlimit-fleet:...".
+	if d, err := lim.Allow(ctx, "api:"+key); !errors.Is(err, ErrInvalidKey) {
+		t.Errorf("Allow(%q) = %+v, %v; want ErrInvalidKey", "api:"+key, d, err)
+	}
 	if d, err := lim.Allow(ctx, "{hybridlimit}:user:42"); err != nil || !d.Allowed {
 		t.Errorf("Allow of a key with another hash tag = %+v, %v; want allowed", d, err)
 	}
