@@ -25,7 +25,9 @@
 // The limiter sees the key Name + ":" + key, so rules may share a Limiter
 // without sharing buckets, and a hybridlimit.Config.LimitFor can tell the
 // rules apart by the prefix. A key that would be longer than
-// hybridlimit.MaxKeyLen is replaced by its SHA-256.
+// hybridlimit.MaxKeyLen, or that holds a '{' (a hash tag would let a
+// client pick its bucket's Redis Cluster shard) or starts "sha256:", is
+// replaced by its SHA-256 (see RuleKey).
 //
 // # Keys
 //

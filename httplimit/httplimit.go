@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/hybridlimit/hybridlimit"
@@ -312,12 +313,17 @@ func (m *Middleware) refund(ctx context.Context, grants []grant, items []item) {
 }
 
 // RuleKey returns the limiter's key for key under the rule named name:
-// name + ":" + key, or, when that is longer than hybridlimit.MaxKeyLen,
-// name + ":sha256:" + the hex SHA-256 of key. Other packages that key
-// rules the same way, such as grpclimit, use it, so that a rule of theirs
-// with the same Name and Limiter shares its buckets with this package's.
+// name + ":" + key, or name + ":sha256:" + the hex SHA-256 of key when
+// that is longer than hybridlimit.MaxKeyLen, or key holds a '{' or starts
+// "sha256:". Keys come from requests: a '{' would let a client pick the
+// Redis Cluster shard of its bucket by a hash tag (or name a key the
+// limiter reserves), and a key written as a hash would share the bucket of
+// the long key it hashes. Other packages that key rules the same way, such
+// as grpclimit, use it, so that a rule of theirs with the same Name and
+// Limiter shares its buckets with this package's.
 func RuleKey(name, key string) string {
-	if len(name)+1+len(key) <= hybridlimit.MaxKeyLen {
+	if len(name)+1+len(key) <= hybridlimit.MaxKeyLen && !strings.ContainsRune(key, '{') &&
+		!strings.HasPrefix(key, "sha256:") {
 		return name + ":" + key
 	}
 	sum := sha256.Sum256([]byte(key))

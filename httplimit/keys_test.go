@@ -193,4 +193,13 @@ func TestBucketKey(t *testing.T) {
 	if len(got) != len("h:sha256:")+64 || got[:9] != "h:sha256:" {
 		t.Errorf("RuleKey(long) = %q; want h:sha256:<64 hex>", got)
 	}
+	// A key from a request that holds a hash tag (a client picking its
+	// bucket's Cluster shard, or naming a key the limiter reserves), or
+	// that is written as the hash of another key, is hashed too.
+	for _, key := range []string{"{same-shard}", "{hybridlimit-fleet:default}:1796259443", got[2:]} {
+		h := RuleKey("h", key)
+		if len(h) != len("h:sha256:")+64 || h[:9] != "h:sha256:" || h == got && key != long {
+			t.Errorf("RuleKey(%q) = %q; want h:sha256:<64 hex> of it", key, h)
+		}
+	}
 }
