@@ -97,11 +97,8 @@ func (lim *Limiter) Peek(ctx context.Context, key string) (Status, error) {
 		st.Mode = ModeLocal
 		r, burst, capacity := lim.share(key, ls.Limit, lim.route(lim.cfg.Prefix+key))
 		if capacity > 0 {
-			st.Tokens = lim.shares.Peek(lim.cfg.now(), key, r, burst, capacity)
+			st.Tokens, st.ResetAfter = lim.shares.Peek(lim.cfg.now(), key, r, burst, capacity)
 			st.Remaining = int64(st.Tokens)
-			if r > 0 {
-				st.ResetAfter = time.Duration((float64(burst) - st.Tokens) / float64(r) * float64(time.Second))
-			}
 		}
 	}
 	return st, nil

@@ -447,3 +447,25 @@ func TestOpsOnCluster(t *testing.T) {
 		}
 	}
 }
+
+// TestPeekOfASlowLimit: the local share of a limit that refills a token
+// in centuries reports a ResetAfter that saturates, as a decision's does,
+// rather than one that wraps negative. A token every 31 years shared by 100
+// instances leaves each a rate of one in 3,100 years and a burst of one.
+func TestPeekOfASlowLimit(t *testing.T) {
+	m, c := miniClient(t)
+	clock := newFakeClock(m)
+	lim := newLimiter(t, Config{Redis: c, Limit: Limit{Rate: 1e-9, Burst: 1}, Instances: 100, Heartbeat: -1, now: clock.Now})
+	ctx := context.Background()
+	if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed || d.Mode != ModeRemote {
+		t.Fatalf("Allow = %+v, %v; want allowed by Redis", d, err)
+	}
+	if st, err := lim.Peek(ctx, "k"); err != nil || st.Mode != ModeRemote || st.ResetAfter < time.Second*(1e9-1) {
+		t.Fatalf("Peek from Redis = %+v, %v; want ResetAfter about 1e9 s", st, err)
+	}
+	oom(m)
+	st, err := lim.Peek(ctx, "k")
+	if err != nil || st.Mode != ModeLocal || st.Remaining != 0 || st.ResetAfter != time.Duration(math.MaxInt64) {
+		t.Errorf("Peek of the local share = %+v, %v; want an empty share, ResetAfter saturated at %v", st, err, time.Duration(math.MaxInt64))
+	}
+}

@@ -23,9 +23,15 @@ func (s *Shares) start(b *bucket, now time.Time, burst int, capacity, owed float
 // burst and capacity, would find at now, without taking any and without
 // creating a bucket: the key's local bucket, or, if it has none (or Redis
 // said something newer since it started), the level AllowN would start
-// one from.
-func (s *Shares) Peek(now time.Time, key string, r rate.Limit, burst int, capacity float64) float64 {
+// one from. resetAfter is the time until that bucket is full, as AllowN
+// reports it.
+func (s *Shares) Peek(now time.Time, key string, r rate.Limit, burst int, capacity float64) (tokens float64, resetAfter time.Duration) {
 	r, burst = clean(r, burst)
+	tokens = s.peek(now, key, r, burst, capacity)
+	return tokens, wait(float64(burst)-tokens, r)
+}
+
+func (s *Shares) peek(now time.Time, key string, r rate.Limit, burst int, capacity float64) float64 {
 	if r == rate.Inf {
 		return float64(burst) // x/time/rate ignores the bucket then
 	}

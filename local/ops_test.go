@@ -11,25 +11,25 @@ import (
 // key, a live bucket, and what Redis said of the key, and creates nothing.
 func TestPeek(t *testing.T) {
 	s := New(0)
-	if got := s.Peek(t0, "k", 10, 10, 10); got != 10 {
-		t.Errorf("Peek of a missing key = %v; want 10", got)
+	if got, reset := s.Peek(t0, "k", 10, 10, 10); got != 10 || reset != 0 {
+		t.Errorf("Peek of a missing key = %v, reset in %v; want 10, full", got, reset)
 	}
-	if got := s.Peek(t0, "k", 10, 10, 2.5); got != 2.5 {
-		t.Errorf("Peek of a missing key with capacity 2.5 = %v; want 2.5", got)
+	if got, reset := s.Peek(t0, "k", 10, 10, 2.5); got != 2.5 || reset != 750*ms {
+		t.Errorf("Peek of a missing key with capacity 2.5 = %v, reset in %v; want 2.5, full in 750ms", got, reset)
 	}
 	if s.Len() != 0 {
 		t.Fatalf("Peek created %d buckets", s.Len())
 	}
 	// Redis said 4 of 10 at t0; 100 ms later 1 more has refilled.
 	s.Observe(t0, 1, "k", 4, 10, 10)
-	if got := s.Peek(t0.Add(100*ms), "k", 10, 10, 10); got != 5 {
-		t.Errorf("Peek after Redis said 4 = %v; want 5", got)
+	if got, reset := s.Peek(t0.Add(100*ms), "k", 10, 10, 10); got != 5 || reset != 500*ms {
+		t.Errorf("Peek after Redis said 4 = %v, reset in %v; want 5, full in 500ms", got, reset)
 	}
 	if res := s.AllowN(t0.Add(100*ms), "k", 10, 10, 10, 2); !res.Allowed || res.Remaining != 3 {
 		t.Fatalf("AllowN(2) = %+v; want allowed, 3 left", res)
 	}
 	for range 100 {
-		if got := s.Peek(t0.Add(200*ms), "k", 10, 10, 10); got < 3.999 || got > 4.001 {
+		if got, _ := s.Peek(t0.Add(200*ms), "k", 10, 10, 10); got < 3.999 || got > 4.001 {
 			t.Fatalf("Peek of the live bucket = %v; want 4", got)
 		}
 	}
