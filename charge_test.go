@@ -464,3 +464,48 @@ func TestResentChargeOfAnEvictedEntry(t *testing.T) {
 		}
 	})
 }
+
+// TestProbeAfterSetLimit: the limit is lowered during an outage (an
+// operator reacting to the incident). The probe that closes the breaker
+// writes the key that failed last; it must refill it at the limit in
+// force, not at the one of the decision that failed, or that key finds
+// its bucket refilled at the old rate over the whole outage. (An outage
+// longer than the key's TTL under the old limit finds no key, and a full
+// bucket of the new limit, as a healthy Redis would.)
+func TestProbeAfterSetLimit(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newChargeRig(t, Config{Limit: PerSecond(100), Instances: 1, Heartbeat: -1,
+			Timeout: 50 * time.Millisecond, Breaker: BreakerConfig{Failures: 1}})
+		ctx := context.Background()
+		if d, err := r.lim.AllowN(ctx, "k", 100); err != nil || !d.Allowed || d.Mode != ModeRemote {
+			t.Fatalf("AllowN(100) = %+v, %v; want the bucket emptied by Redis", d, err)
+		}
+		time.Sleep(20 * time.Millisecond) // past the cached denial
+		r.link.Refuse(true)
+		r.link.Reset()
+		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeLocal {
+			t.Fatalf("Allow during the outage = %+v, %v; want a local decision", d, err)
+		}
+		lowered := Limit{Rate: 1, Burst: 100}
+		if err := r.lim.SetLimit(lowered); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(500 * time.Millisecond) // shorter than the key's TTL, 2 s
+		r.link.Refuse(false)
+		for i := 0; ; i++ {
+			time.Sleep(50 * time.Millisecond)
+			if d, err := r.lim.Allow(ctx, "j"); err != nil || d.Mode == ModeRemote {
+				break
+			}
+			if i > 100 {
+				t.Fatal("Redis back for 5 s and the breaker still not closed")
+			}
+		}
+		st, err := r.lim.Peek(ctx, "k")
+		// 1 token a second for under a second since the bucket was emptied
+		// (at 100 a second: about 70).
+		if err != nil || st.Mode != ModeRemote || st.Tokens > 2 {
+			t.Errorf("after the outage, Peek(k) = %+v, %v; want at most 2 tokens (1/s since it was emptied)", st, err)
+		}
+	})
+}

@@ -2,6 +2,7 @@ package hybridlimit
 
 import (
 	"context"
+	"strings"
 	"time"
 
 	"github.com/hybridlimit/hybridlimit/breaker"
@@ -130,7 +131,7 @@ func (lim *Limiter) probe(ctx context.Context, nd *node) {
 		if !ok {
 			return
 		}
-		pipe, req := lim.probePipe(nd), remote.Request{Key: p.key, Limit: p.rl, Charge: true}
+		pipe, req := lim.probePipe(nd), remote.Request{Key: p.key, Limit: lim.probeLimit(p), Charge: true}
 		budget := lim.budget(ctx)
 		_, o, verdict, _ := lim.send(ctx, nd, pipe, req, budget, false)
 		// A probe takes nothing, so it may run twice: on a connection
@@ -148,4 +149,18 @@ func (lim *Limiter) probe(ctx context.Context, nd *node) {
 			return
 		}
 	}
+}
+
+// probeLimit returns the limit a probe of p sends: the key's limit in force
+// now, which SetLimit or LimitFor may have changed since the decision that
+// failed. The probe refills the key's bucket at the rate it sends, over
+// the whole outage: at the old one, a limit lowered during the outage
+// would find that key refilled at the rate it replaced.
+func (lim *Limiter) probeLimit(p *probe) remote.Limit {
+	if key, ok := strings.CutPrefix(p.key, lim.cfg.Prefix); ok {
+		if ls, err := lim.limitFor(key, new(limits)); err == nil {
+			return ls.rl
+		}
+	}
+	return p.rl
 }
