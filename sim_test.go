@@ -1681,9 +1681,9 @@ func (r *simRun) checkFloor(add func(string, string, ...any)) {
 				if r.alive[i].from < 0 || r.alive[i].from > c.from || r.alive[i].to <= c.from {
 					continue
 				}
-				// Its answer is read within the heartbeat's budget,
-				// Timeout, or not at all.
-				if at, ok := r.heard[i]; !ok || at >= c.from-s.Timeout {
+				// Its answer is read within the heartbeat's budget, a
+				// whole Heartbeat (the pacer's), or not at all.
+				if at, ok := r.heard[i]; !ok || at >= c.from-cmp.Or(s.Heartbeat, DefaultHeartbeat) {
 					wmin = 0
 				}
 			}
