@@ -46,6 +46,13 @@ func onSimCluster(t *testing.T, cfg Config, ctxTimeout bool) (*simredis.Cluster,
 // onSimClusterWith is onSimCluster, calling before (if not nil) with the
 // Cluster client before its first command.
 func onSimClusterWith(t *testing.T, cfg Config, ctxTimeout bool, before func(*redis.ClusterClient)) (*simredis.Cluster, []*simnet.Link, *Limiter) {
+	return onSimClusterOpts(t, cfg, ctxTimeout, nil, before)
+}
+
+// onSimClusterOpts is onSimClusterWith, calling opts (if not nil) with the
+// Cluster client's options (every node of the Cluster as its seeds) before
+// the client is made.
+func onSimClusterOpts(t *testing.T, cfg Config, ctxTimeout bool, opts func(*simredis.Cluster, *redis.ClusterOptions), before func(*redis.ClusterClient)) (*simredis.Cluster, []*simnet.Link, *Limiter) {
 	t.Cleanup(func() { time.Sleep(30 * time.Second) }) // last
 	cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
 	t.Cleanup(cl.Close)
@@ -53,7 +60,11 @@ func onSimClusterWith(t *testing.T, cfg Config, ctxTimeout bool, before func(*re
 	for i := range links {
 		links[i] = simnet.NewLink()
 	}
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0), ContextTimeoutEnabled: ctxTimeout})
+	o := &redis.ClusterOptions{Addrs: cl.Addrs(), Dialer: cl.Dialer(links, 0), ContextTimeoutEnabled: ctxTimeout}
+	if opts != nil {
+		opts(cl, o)
+	}
+	client := redis.NewClusterClient(o)
 	t.Cleanup(func() { client.Close() })
 	if before != nil {
 		before(client)
@@ -661,5 +672,66 @@ func TestCloseDuringClusterFirstContactWithUnboundedReadTimeout(t *testing.T) {
 				l.Resume()
 			}
 		})
+	})
+}
+
+// TestOwnClientsFollowTheLayout: the limiter's own clients of Cluster
+// nodes (probes, layout readings, keys routed by its own layout) are
+// closed once no layout, seed or node names their address. Redis Cluster
+// on Kubernetes gives a replaced pod a new address at every restart and
+// failover; kept, each old address's client would hold its pool, and its
+// sockets to a host that is gone, until Close.
+func TestOwnClientsFollowTheLayout(t *testing.T) {
+	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
+		const key = "k"
+		var seed string
+		cl, links, lim := onSimClusterOpts(t, Config{Limit: PerSecond(1000), Timeout: 50 * time.Millisecond, Heartbeat: -1, Instances: 1}, ctxTimeout,
+			func(cl *simredis.Cluster, o *redis.ClusterOptions) {
+				// One seed, the master of a shard that is not the key's.
+				seed = cl.Nodes[cl.Master((cl.ShardOf(DefaultPrefix+key)+1)%3)].Addr
+				o.Addrs = []string{seed}
+			}, nil)
+		ctx := context.Background()
+		shard := cl.ShardOf(DefaultPrefix + key)
+		old := cl.Nodes[cl.Master(shard)].Addr
+		time.Sleep(time.Second)
+		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("before the fault: %+v, %v; want remote", d, err)
+		}
+		hangMaster(t, cl, links, shard)
+		for range 10 { // the breaker opens, and the prober probes the old master
+			if _, err := lim.Allow(ctx, key); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		lim.mu.Lock()
+		_, made := lim.own[old]
+		lim.mu.Unlock()
+		if !made {
+			t.Fatalf("the limiter made no client of its own for %s, the master that hung", old)
+		}
+		if err := cl.Takeover(shard); err != nil { // the old master leaves the layout
+			t.Fatal(err)
+		}
+		time.Sleep(1500 * time.Millisecond)
+		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("after the takeover: %+v, %v; want remote", d, err)
+		}
+		for i := 0; ; i++ {
+			lim.mu.Lock()
+			c := lim.own[old]
+			lim.mu.Unlock()
+			if c == nil {
+				break
+			}
+			if i == 100 {
+				t.Fatalf("10 s after the takeover, the limiter still holds its client of %s, a master that left the layout", old)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		if d, err := lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("after the old client went: %+v, %v; want remote", d, err)
+		}
 	})
 }

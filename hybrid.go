@@ -446,6 +446,10 @@ func (lim *Limiter) nodeAt(addr string, own *redis.Client) (*node, error) {
 	if nd := old[addr]; nd != nil {
 		return nd, nil
 	}
+	if own != nil && lim.own[addr] != own {
+		// Closed since ownNode had it: no layout named addr then.
+		own = lim.ownClientLocked(addr)
+	}
 	nodes := make(nodeMap, len(old)+1)
 	for k, v := range old {
 		nodes[k] = v
@@ -517,7 +521,11 @@ func (lim *Limiter) forget(nd *node) {
 	}
 	lim.nodes.Store(&nodes)
 	lim.cfg.Logger.Info("hybridlimit: forgot a node that owns no slots", "limiter", lim.cfg.Name, "node", nd.addr)
-	lim.wg.Go(nd.close)
+	drop := lim.unnamedClients()
+	lim.wg.Go(func() {
+		nd.close()
+		closeClients(drop)
+	})
 }
 
 // Allow is shorthand for AllowN(ctx, key, 1).

@@ -411,9 +411,57 @@ func loopbackHost(host string) bool {
 func (lim *Limiter) keepLayout(l *layout) {
 	for {
 		cur := lim.layout.Load()
-		if cur != nil && cur.began.After(l.began) || lim.layout.CompareAndSwap(cur, l) {
+		if cur != nil && cur.began.After(l.began) {
 			return
 		}
+		if lim.layout.CompareAndSwap(cur, l) {
+			lim.mu.Lock()
+			drop := lim.unnamedClients()
+			lim.mu.Unlock()
+			closeClients(drop)
+			return
+		}
+	}
+}
+
+// unnamedClients removes from lim.own, and returns for closing, the
+// clients of addresses that neither the layout, the Cluster client's seeds
+// nor a node names any more: a master that a failover left out, or a pod
+// whose address is gone (Kubernetes gives a replaced pod a new one). Kept,
+// each would hold its pool, and its sockets to a host that is gone, until
+// Close. A reading still under way on one fails, as a reading of a node
+// that is gone does. unnamedClients requires that lim.mu is held: a node
+// made under it (nodeAt) names its address before its client can go.
+func (lim *Limiter) unnamedClients() []*redis.Client {
+	if len(lim.own) == 0 || lim.closed.Load() {
+		return nil
+	}
+	named := map[string]bool{}
+	for _, a := range lim.cluster.Options().Addrs {
+		named[a] = true
+	}
+	if l := lim.layout.Load(); l != nil {
+		for _, a := range l.nodes {
+			named[a] = true
+		}
+	}
+	for a := range *lim.nodes.Load() {
+		named[a] = true
+	}
+	var drop []*redis.Client
+	for a, c := range lim.own {
+		if !named[a] {
+			drop = append(drop, c)
+			delete(lim.own, a)
+		}
+	}
+	return drop
+}
+
+// closeClients closes cs.
+func closeClients(cs []*redis.Client) {
+	for _, c := range cs {
+		c.Close()
 	}
 }
 
@@ -425,6 +473,11 @@ func (lim *Limiter) keepLayout(l *layout) {
 func (lim *Limiter) ownClient(addr string) *redis.Client {
 	lim.mu.Lock()
 	defer lim.mu.Unlock()
+	return lim.ownClientLocked(addr)
+}
+
+// ownClientLocked is ownClient for a caller that holds lim.mu.
+func (lim *Limiter) ownClientLocked(addr string) *redis.Client {
 	if lim.closed.Load() {
 		return nil
 	}
