@@ -633,13 +633,13 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	// Tokens leased from Redis are spent first, whether Redis is there
 	// or not: it granted them already.
 	if lim.cfg.Lease > 0 && atMost {
-		if taken, left := lim.shares.TakeLeaseUpTo(lim.cfg.now(), key, n); taken > 0 {
+		if taken, left := lim.shares.TakeLeaseUpTo(lim.cfg.now(), key, ls.rl, n); taken > 0 {
 			lim.count.Add(taken) // granted by Redis, for the fleet's weights
 			*d = Decision{Allowed: true, Granted: taken, Remaining: left, Mode: ModeLease}
 			return nil
 		}
 	} else if lim.cfg.Lease > 0 {
-		if left, ok := lim.shares.TakeLease(lim.cfg.now(), key, n); ok {
+		if left, ok := lim.shares.TakeLease(lim.cfg.now(), key, ls.rl, n); ok {
 			lim.count.Add(n) // granted by Redis, for the fleet's weights
 			*d = Decision{Allowed: true, Remaining: left, Mode: ModeLease}
 			return nil
@@ -720,7 +720,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	case answered:
 		lim.tally(key, n, ls, res.Allowed, max(res.Level, 0)/rl.P)
 		if res.Leased > 0 && !atMost {
-			lim.shares.Lease(sent, key, res.Leased, sent.Add(lim.cfg.LeaseFor))
+			lim.shares.Lease(sent, key, rl, res.Leased, sent.Add(lim.cfg.LeaseFor))
 		}
 		if res.Repaired {
 			lim.cfg.Logger.Warn("hybridlimit: replaced a foreign value with a full bucket", "key", rkey)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -35,7 +36,7 @@ func TestLeaseExactCounts(t *testing.T) {
 	// tokens: every token of the bucket is either admitted or held.
 	var held int64
 	for _, lim := range lims {
-		left, _ := lim.shares.TakeLease(time.Now(), "bucket", 0)
+		left, _ := lim.shares.TakeLease(time.Now(), "bucket", lim.limit.Load().rl, 0)
 		held += left
 	}
 	calls := srv.ScriptCalls(t)
@@ -167,5 +168,66 @@ func BenchmarkLeaseCost(b *testing.B) {
 				b.ReportMetric(float64(calls)/float64(total), "calls/decision")
 			}
 		})
+	}
+}
+
+// TestLeaseAfterLimitLowered: a lease taken under a high limit is not
+// spent after SetLimit lowers the limit: the bucket in Redis is capped at
+// the new burst, and tokens this instance holds leased must not add to it.
+func TestLeaseAfterLimitLowered(t *testing.T) {
+	m, c := miniClient(t)
+	clock := newFakeClock(m) // stands still: no refill, leases never expire
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1000), Lease: 100, Heartbeat: -1, Instances: 1, now: clock.Now})
+	ctx := context.Background()
+	if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
+		t.Fatalf("Allow = %+v, %v", d, err)
+	}
+	if err := lim.SetLimit(Limit{Rate: 1, Burst: 10}); err != nil {
+		t.Fatal(err)
+	}
+	admitted := 0
+	for range 500 {
+		d, err := lim.Allow(ctx, "k")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Allowed {
+			admitted++
+		}
+	}
+	if admitted > 10 {
+		t.Errorf("admitted %d after lowering the limit to burst 10 (the bucket held 899, capped to 10); want at most 10", admitted)
+	}
+}
+
+// TestLeaseAfterTierDowngrade: the same through LimitFor, a key moved to
+// a lower tier (an abusive client demoted) while this instance holds a
+// lease of its old tier.
+func TestLeaseAfterTierDowngrade(t *testing.T) {
+	m, c := miniClient(t)
+	clock := newFakeClock(m)
+	var demoted atomic.Bool
+	tiers := func(string) Limit {
+		if demoted.Load() {
+			return Limit{Rate: 1, Burst: 5}
+		}
+		return PerSecond(500)
+	}
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1), LimitFor: tiers, Lease: 50, Heartbeat: -1, Instances: 1, now: clock.Now})
+	ctx := context.Background()
+	if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
+		t.Fatalf("Allow = %+v, %v", d, err)
+	}
+	demoted.Store(true)
+	admitted := 0
+	for range 200 {
+		if d, err := lim.Allow(ctx, "k"); err != nil {
+			t.Fatal(err)
+		} else if d.Allowed {
+			admitted++
+		}
+	}
+	if admitted > 5 {
+		t.Errorf("admitted %d after the key's tier went to burst 5; want at most 5", admitted)
 	}
 }

@@ -74,7 +74,7 @@ func (lim *Limiter) Peek(ctx context.Context, key string) (Status, error) {
 	}
 	st := Status{Limit: ls.Limit}
 	if lim.cfg.Lease > 0 {
-		st.Leased = lim.shares.Leased(lim.cfg.now(), key)
+		st.Leased = lim.shares.Leased(lim.cfg.now(), key, ls.rl)
 	}
 	rl := ls.rl
 	res, o, err := lim.op(ctx, remote.Request{Key: lim.cfg.Prefix + key, Limit: rl, Peek: true})

@@ -205,7 +205,7 @@ func (lim *Limiter) Refund(ctx context.Context, key string, d Decision, n int64)
 		return nil
 	case ModeLease:
 		// Back to the lease while it is valid; after, to Redis.
-		if lim.shares.RefundLease(lim.cfg.now(), key, n) {
+		if lim.shares.RefundLease(lim.cfg.now(), key, ls.rl, n) {
 			return nil
 		}
 	case ModeRemote:

@@ -82,6 +82,17 @@ type shard struct {
 type lease struct {
 	tokens int64
 	until  mono
+	// lim is the limit the tokens were granted under: a lowered limit
+	// (SetLimit, LimitFor) drops them, as Redis's bucket caps its own.
+	lim remote.Limit
+}
+
+// lowered reports whether limit to is below limit from, in rate or in
+// burst: tokens leased under from may not be spent under to. Redis's
+// bucket caps its tokens at a lowered burst and refills at a lowered rate;
+// tokens this instance holds apart from it would escape both.
+func lowered(from, to remote.Limit) bool {
+	return from != to && (to.Burst < from.Burst || to.Rate() < from.Rate())
 }
 
 // bucket is what this instance knows of one key: its local limiter, if a
@@ -443,8 +454,10 @@ func (s *Shares) Hold(now time.Time, key string) {
 }
 
 // TakeLease takes n tokens from key's lease if it holds n and is still
-// valid at now, and returns the tokens left in it. It does not allocate.
-func (s *Shares) TakeLease(now time.Time, key string, n int64) (left int64, ok bool) {
+// valid at now under lim, the key's limit now, and returns the tokens left
+// in it. A lease granted under a limit above lim is dropped. It does not
+// allocate.
+func (s *Shares) TakeLease(now time.Time, key string, lim remote.Limit, n int64) (left int64, ok bool) {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -452,7 +465,7 @@ func (s *Shares) TakeLease(now time.Time, key string, n int64) (left int64, ok b
 	switch {
 	case !found:
 		return 0, false
-	case s.mono(now) >= l.until:
+	case s.mono(now) >= l.until || lowered(l.lim, lim):
 		delete(sh.leases, key)
 		return 0, false
 	case l.tokens < n:
@@ -463,14 +476,15 @@ func (s *Shares) TakeLease(now time.Time, key string, n int64) (left int64, ok b
 	return l.tokens, true
 }
 
-// Lease records that Redis leased tokens of key to this instance, to be
-// spent until until. They add to what is left of a lease still valid at
-// now (concurrent decisions each lease), and the whole lease is then valid
-// until until. A full shard first drops the expired leases among the first
-// few that map iteration yields (Sweep makes the full pass); if it is
-// still full, the tokens are not kept: never more than Redis granted, at
-// worst fewer.
-func (s *Shares) Lease(now time.Time, key string, tokens int64, until time.Time) {
+// Lease records that Redis leased tokens of key to this instance under
+// limit lim, to be spent until until. They add to what is left of a lease
+// still valid at now (concurrent decisions each lease), and the whole lease
+// is then valid until until, under lim; unless lim is below the limit that
+// lease was granted under, whose tokens are then dropped. A full shard
+// first drops the expired leases among the first few that map iteration
+// yields (Sweep makes the full pass); if it is still full, the tokens are
+// not kept: never more than Redis granted, at worst fewer.
+func (s *Shares) Lease(now time.Time, key string, lim remote.Limit, tokens int64, until time.Time) {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -489,21 +503,21 @@ func (s *Shares) Lease(now time.Time, key string, tokens int64, until time.Time)
 		}
 		key = strings.Clone(key)
 		sh.tell()
-	case s.mono(now) < l.until:
+	case s.mono(now) < l.until && !lowered(l.lim, lim):
 		tokens += l.tokens
 		end = max(end, l.until)
 	}
-	sh.leases[key] = lease{tokens, end}
+	sh.leases[key] = lease{tokens, end, lim}
 }
 
 // RefundLease gives n tokens back to key's lease, if it is still valid at
-// now, and reports whether it did.
-func (s *Shares) RefundLease(now time.Time, key string, n int64) bool {
+// now under lim, the key's limit now, and reports whether it did.
+func (s *Shares) RefundLease(now time.Time, key string, lim remote.Limit, n int64) bool {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	l, found := sh.leases[key]
-	if !found || s.mono(now) >= l.until {
+	if !found || s.mono(now) >= l.until || lowered(l.lim, lim) {
 		return false
 	}
 	l.tokens += n

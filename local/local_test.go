@@ -620,37 +620,37 @@ func TestFractionalCapacity(t *testing.T) {
 func TestLease(t *testing.T) {
 	s := New(2) // two shards of one entry each
 	ms := time.Millisecond
-	if _, ok := s.TakeLease(t0, "k", 1); ok {
+	if _, ok := s.TakeLease(t0, "k", remote.Limit{}, 1); ok {
 		t.Fatal("TakeLease on a key without a lease succeeded")
 	}
-	s.Lease(t0, "k", 3, t0.Add(100*ms))
+	s.Lease(t0, "k", remote.Limit{}, 3, t0.Add(100*ms))
 	for i, want := range []int64{1, 0} {
-		if left, ok := s.TakeLease(t0.Add(10*ms), "k", 2-int64(i)); !ok || left != want {
+		if left, ok := s.TakeLease(t0.Add(10*ms), "k", remote.Limit{}, 2-int64(i)); !ok || left != want {
 			t.Errorf("TakeLease %d = %d, %v; want %d left", i, left, ok, want)
 		}
 	}
-	if _, ok := s.TakeLease(t0.Add(10*ms), "k", 1); ok {
+	if _, ok := s.TakeLease(t0.Add(10*ms), "k", remote.Limit{}, 1); ok {
 		t.Error("TakeLease on a spent lease succeeded")
 	}
-	if !s.RefundLease(t0.Add(20*ms), "k", 2) {
+	if !s.RefundLease(t0.Add(20*ms), "k", remote.Limit{}, 2) {
 		t.Error("RefundLease on a valid lease failed")
 	}
-	if left, ok := s.TakeLease(t0.Add(99*ms), "k", 2); !ok || left != 0 {
+	if left, ok := s.TakeLease(t0.Add(99*ms), "k", remote.Limit{}, 2); !ok || left != 0 {
 		t.Errorf("TakeLease after a refund = %d, %v; want 0 left", left, ok)
 	}
-	s.Lease(t0.Add(50*ms), "k", 4, t0.Add(150*ms)) // adds to the 0 left, valid longer
-	if left, ok := s.TakeLease(t0.Add(120*ms), "k", 1); !ok || left != 3 {
+	s.Lease(t0.Add(50*ms), "k", remote.Limit{}, 4, t0.Add(150*ms)) // adds to the 0 left, valid longer
+	if left, ok := s.TakeLease(t0.Add(120*ms), "k", remote.Limit{}, 1); !ok || left != 3 {
 		t.Errorf("TakeLease after a second lease = %d, %v; want 3 left", left, ok)
 	}
-	s.Lease(t0.Add(130*ms), "k", 2, t0.Add(150*ms)) // adds to the 3 left
-	if left, ok := s.TakeLease(t0.Add(140*ms), "k", 5); !ok || left != 0 {
+	s.Lease(t0.Add(130*ms), "k", remote.Limit{}, 2, t0.Add(150*ms)) // adds to the 3 left
+	if left, ok := s.TakeLease(t0.Add(140*ms), "k", remote.Limit{}, 5); !ok || left != 0 {
 		t.Errorf("TakeLease of both leases = %d, %v; want 0 left", left, ok)
 	}
-	s.Lease(t0, "k", 5, t0.Add(100*ms))
-	if _, ok := s.TakeLease(t0.Add(150*ms), "k", 1); ok {
+	s.Lease(t0, "k", remote.Limit{}, 5, t0.Add(100*ms))
+	if _, ok := s.TakeLease(t0.Add(150*ms), "k", remote.Limit{}, 1); ok {
 		t.Error("TakeLease on an expired lease succeeded")
 	}
-	if s.RefundLease(t0.Add(150*ms), "k", 1) {
+	if s.RefundLease(t0.Add(150*ms), "k", remote.Limit{}, 1) {
 		t.Error("RefundLease on an expired lease succeeded")
 	}
 	// A full shard drops expired leases for a new one, and keeps nothing
@@ -661,16 +661,16 @@ func TestLease(t *testing.T) {
 			other = k
 		}
 	}
-	s.Lease(t0, "k", 5, t0.Add(time.Second))
-	s.Lease(t0, other, 5, t0.Add(time.Second))
-	if _, ok := s.TakeLease(t0, other, 1); ok {
+	s.Lease(t0, "k", remote.Limit{}, 5, t0.Add(time.Second))
+	s.Lease(t0, other, remote.Limit{}, 5, t0.Add(time.Second))
+	if _, ok := s.TakeLease(t0, other, remote.Limit{}, 1); ok {
 		t.Error("a full shard kept a second lease")
 	}
-	s.Lease(t0.Add(2*time.Second), other, 5, t0.Add(3*time.Second))
-	if _, ok := s.TakeLease(t0.Add(2*time.Second), other, 1); !ok {
+	s.Lease(t0.Add(2*time.Second), other, remote.Limit{}, 5, t0.Add(3*time.Second))
+	if _, ok := s.TakeLease(t0.Add(2*time.Second), other, remote.Limit{}, 1); !ok {
 		t.Error("a full shard did not drop an expired lease for a new one")
 	}
-	if got := testing.AllocsPerRun(100, func() { s.TakeLease(t0.Add(2*time.Second), other, 0) }); got != 0 {
+	if got := testing.AllocsPerRun(100, func() { s.TakeLease(t0.Add(2*time.Second), other, remote.Limit{}, 0) }); got != 0 {
 		t.Errorf("TakeLease allocates %v times; want 0", got)
 	}
 }

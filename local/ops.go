@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"golang.org/x/time/rate"
+
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // start returns the level a new local bucket for b starts from, and when:
@@ -75,9 +77,9 @@ func (s *Shares) AllowAtMost(now time.Time, key string, r rate.Limit, burst int,
 }
 
 // TakeLeaseUpTo takes as many tokens of key's lease as it holds, up to
-// n, if it is still valid at now and holds one at least, and returns how
-// many it took and how many are left in it.
-func (s *Shares) TakeLeaseUpTo(now time.Time, key string, n int64) (taken, left int64) {
+// n, if it is still valid at now under lim (see TakeLease) and holds one
+// at least, and returns how many it took and how many are left in it.
+func (s *Shares) TakeLeaseUpTo(now time.Time, key string, lim remote.Limit, n int64) (taken, left int64) {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
@@ -85,7 +87,7 @@ func (s *Shares) TakeLeaseUpTo(now time.Time, key string, n int64) (taken, left 
 	switch {
 	case !found:
 		return 0, 0
-	case s.mono(now) >= l.until:
+	case s.mono(now) >= l.until || lowered(l.lim, lim):
 		delete(sh.leases, key)
 		return 0, 0
 	}
@@ -95,12 +97,13 @@ func (s *Shares) TakeLeaseUpTo(now time.Time, key string, n int64) (taken, left 
 	return taken, l.tokens
 }
 
-// Leased returns the tokens of key's lease that are still valid at now.
-func (s *Shares) Leased(now time.Time, key string) int64 {
+// Leased returns the tokens of key's lease that are still valid at now
+// under lim.
+func (s *Shares) Leased(now time.Time, key string, lim remote.Limit) int64 {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	if l, found := sh.leases[key]; found && s.mono(now) < l.until {
+	if l, found := sh.leases[key]; found && s.mono(now) < l.until && !lowered(l.lim, lim) {
 		return l.tokens
 	}
 	return 0

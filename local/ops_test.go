@@ -5,6 +5,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // TestPeek: Peek reports what the next AllowN would find, from a missing
@@ -75,12 +77,12 @@ func TestReset(t *testing.T) {
 	s := New(0)
 	s.Observe(t0, 1, "k", 0, 10, 10)
 	s.AllowN(t0, "k", 10, 10, 10, 0)
-	s.Lease(t0, "k", 5, t0.Add(time.Second))
+	s.Lease(t0, "k", remote.Limit{}, 5, t0.Add(time.Second))
 	s.Reset("k")
 	if _, _, _, ok := s.Seen("k"); ok {
 		t.Errorf("Seen after Reset: ok")
 	}
-	if got := s.Leased(t0, "k"); got != 0 {
+	if got := s.Leased(t0, "k", remote.Limit{}); got != 0 {
 		t.Errorf("Leased after Reset = %d; want 0", got)
 	}
 	if res := s.AllowN(t0, "k", 10, 10, 10, 10); !res.Allowed {
@@ -91,18 +93,58 @@ func TestReset(t *testing.T) {
 // TestTakeLeaseUpTo: it takes what the lease holds, up to n, while valid.
 func TestTakeLeaseUpTo(t *testing.T) {
 	s := New(0)
-	s.Lease(t0, "k", 5, t0.Add(100*ms))
-	if taken, left := s.TakeLeaseUpTo(t0, "k", 3); taken != 3 || left != 2 {
+	s.Lease(t0, "k", remote.Limit{}, 5, t0.Add(100*ms))
+	if taken, left := s.TakeLeaseUpTo(t0, "k", remote.Limit{}, 3); taken != 3 || left != 2 {
 		t.Errorf("TakeLeaseUpTo(3) of 5 = %d, %d left; want 3, 2", taken, left)
 	}
-	if taken, left := s.TakeLeaseUpTo(t0, "k", 3); taken != 2 || left != 0 {
+	if taken, left := s.TakeLeaseUpTo(t0, "k", remote.Limit{}, 3); taken != 2 || left != 0 {
 		t.Errorf("TakeLeaseUpTo(3) of 2 = %d, %d left; want 2, 0", taken, left)
 	}
-	s.Lease(t0, "k", 5, t0.Add(100*ms))
-	if got := s.Leased(t0.Add(99*ms), "k"); got != 5 {
+	s.Lease(t0, "k", remote.Limit{}, 5, t0.Add(100*ms))
+	if got := s.Leased(t0.Add(99*ms), "k", remote.Limit{}); got != 5 {
 		t.Errorf("Leased = %d; want 5", got)
 	}
-	if taken, _ := s.TakeLeaseUpTo(t0.Add(100*ms), "k", 3); taken != 0 {
+	if taken, _ := s.TakeLeaseUpTo(t0.Add(100*ms), "k", remote.Limit{}, 3); taken != 0 {
 		t.Errorf("TakeLeaseUpTo after the lease's end took %d", taken)
+	}
+}
+
+// TestLeaseUnderALoweredLimit: tokens leased under a limit are not spent,
+// refunded to or counted under a lower one (rate or burst), and a lease
+// granted under a lower limit replaces those held under a higher one; a
+// raised limit keeps them.
+func TestLeaseUnderALoweredLimit(t *testing.T) {
+	mk := func(rate float64, burst int64) remote.Limit {
+		l, err := remote.NewLimit(rate, burst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	high, low, slow, higher := mk(1000, 1000), mk(1000, 10), mk(1, 1000), mk(2000, 2000)
+	s := New(0)
+	s.Lease(t0, "k", high, 100, t0.Add(time.Second))
+	if left, ok := s.TakeLease(t0, "k", higher, 1); !ok || left != 99 {
+		t.Errorf("TakeLease under a raised limit = %d, %v; want 99 left", left, ok)
+	}
+	for _, lower := range []remote.Limit{low, slow} {
+		s.Lease(t0, "k", high, 100, t0.Add(time.Second))
+		if got := s.Leased(t0, "k", lower); got != 0 {
+			t.Errorf("Leased under %+v = %d; want 0", lower, got)
+		}
+		if s.RefundLease(t0, "k", lower, 1) {
+			t.Errorf("RefundLease under %+v went to a lease of a higher limit", lower)
+		}
+		if left, ok := s.TakeLease(t0, "k", lower, 1); ok {
+			t.Errorf("TakeLease under %+v = %d left; want the lease dropped", lower, left)
+		}
+		if taken, _ := s.TakeLeaseUpTo(t0, "k", lower, 5); taken != 0 {
+			t.Errorf("TakeLeaseUpTo under %+v took %d; want 0", lower, taken)
+		}
+	}
+	s.Lease(t0, "k", high, 100, t0.Add(time.Second))
+	s.Lease(t0, "k", low, 3, t0.Add(time.Second))
+	if got := s.Leased(t0, "k", low); got != 3 {
+		t.Errorf("Leased after a lease under a lowered limit = %d; want its 3 only", got)
 	}
 }
