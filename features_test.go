@@ -834,3 +834,34 @@ func TestRefundShadowedPartialGrant(t *testing.T) {
 		t.Errorf("after refunding a Shadowed AllowAtMost that took 3, Peek = %+v, %v; want Remaining 3", st, err)
 	}
 }
+
+// TestCachedDenialOfABucketInDebt: a denial answered from what Redis said
+// of a bucket in debt (a WaitN's reservation) reports Remaining as Redis's
+// answer does, at least 0: not a negative count of tokens.
+func TestCachedDenialOfABucketInDebt(t *testing.T) {
+	m, c := miniClient(t)
+	clock := newFakeClock(m) // stands still: the debt stays
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), Heartbeat: -1, Instances: 1, now: clock.Now})
+	ctx := context.Background()
+	if d, err := lim.AllowN(ctx, "k", 10); err != nil || !d.Allowed {
+		t.Fatalf("AllowN(10) = %+v, %v", d, err)
+	}
+	// A waiter reserves 10 tokens ahead of the refill: the bucket owes 10.
+	wctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- lim.WaitN(wctx, "k", 10) }()
+	defer func() { cancel(); <-done }()
+	for {
+		if st, err := lim.Peek(ctx, "k"); err == nil && st.Tokens < -9 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	d, err := lim.Allow(ctx, "k")
+	if err != nil || d.Allowed {
+		t.Fatalf("Allow = %+v, %v; want denied", d, err)
+	}
+	if d.Remaining < 0 {
+		t.Errorf("Allow on a bucket owing 10 = %+v; want Remaining 0 (cached %v), not %d", d, d.Cached, d.Remaining)
+	}
+}

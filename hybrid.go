@@ -809,7 +809,7 @@ func (lim *Limiter) cached(nd *node, key string, n int64, ls *limits, d *Decisio
 		return false
 	}
 	*d = Decision{
-		Remaining:  units / rl.P,
+		Remaining:  max(units, 0) / rl.P, // as Redis's answer says it: a debt holds none
 		RetryAfter: ceilMicros(n*rl.P-units, rl.Q),
 		ResetAfter: ceilMicros(capacity-units, rl.Q),
 		Mode:       ModeRemote,
