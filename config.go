@@ -171,7 +171,9 @@ type Config struct {
 	// tokens are taken from the shared bucket, so the fleet never admits
 	// more than the limit allows; but tokens this instance does not spend
 	// within LeaseFor are lost, and while it holds them other instances
-	// may be refused. Zero (the default) turns it off. docs/guide.md,
+	// may be refused. A key's limit lowered (SetLimit, LimitFor) drops
+	// the tokens leased under the higher one. Zero (the default) turns it
+	// off. docs/guide.md,
 	// "Lease", has the measured cost.
 	Lease int64
 	// LeaseFor is how long leased tokens may be spent after the request
