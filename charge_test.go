@@ -13,6 +13,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/internal/simnet"
 	"github.com/hybridlimit/hybridlimit/internal/simredis"
 	"github.com/hybridlimit/hybridlimit/remote"
@@ -506,6 +507,204 @@ func TestProbeAfterSetLimit(t *testing.T) {
 		// (at 100 a second: about 70).
 		if err != nil || st.Mode != ModeRemote || st.Tokens > 2 {
 			t.Errorf("after the outage, Peek(k) = %+v, %v; want at most 2 tokens (1/s since it was emptied)", st, err)
+		}
+	})
+}
+
+// TestProbeReconcileMeetsAHang: after an outage of many keys, the probe
+// that finds Redis back charges every key before it reports the success
+// that closes the breaker. Redis hangs again right after that probe's
+// answer: each charge then waits its whole budget, chargers at a time, and
+// the probe reports its old success once they have all failed. The pass
+// must end within a few budgets of the hang, and must not close the
+// breaker on a Redis that has not answered since.
+func TestProbeReconcileMeetsAHang(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var armed atomic.Bool
+		var hungAt atomic.Int64
+		var r *chargeRig
+		cfg := Config{Limit: Limit{Rate: 0.01, Burst: 10}, Instances: 1, Heartbeat: -1,
+			Timeout: 50 * time.Millisecond, Breaker: BreakerConfig{Failures: 1}}
+		cfg.onPass = func() {
+			if armed.CompareAndSwap(true, false) {
+				r.link.Hang() // Redis stops again, right after the probe's answer
+				hungAt.Store(time.Now().UnixNano())
+			}
+		}
+		r = newChargeRig(t, cfg)
+		ctx := context.Background()
+		<-r.lim.warmed
+		if d, err := r.lim.Allow(ctx, "k0"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("first decision: %+v, %v", d, err)
+		}
+		r.link.Refuse(true)
+		r.link.Reset()
+		const keys = 1280
+		for i := range keys {
+			if d, err := r.lim.Allow(ctx, "k"+strconv.Itoa(i)); err != nil || !d.Allowed || d.Mode != ModeLocal {
+				t.Fatalf("Allow during the outage = %+v, %v; want a local admission", d, err)
+			}
+		}
+		armed.Store(true)
+		r.link.Refuse(false)
+		nd := r.lim.single
+		for hungAt.Load() == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		hung := time.Unix(0, hungAt.Load())
+		// The probe holds the half-open ticket until its pass ends.
+		for nd.cb.State() == breaker.StateHalfOpen {
+			time.Sleep(time.Millisecond)
+		}
+		held := time.Since(hung)
+		state := nd.cb.State()
+		t.Logf("%d keys owed: the probe's pass held the half-open ticket %v after Redis hung; then %v", keys, held, state)
+		start := time.Now()
+		d, err := r.lim.Allow(ctx, "x")
+		t.Logf("next decision: %v after %v", d.Mode, time.Since(start))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if held > 4*cfg.Timeout {
+			t.Errorf("the probe's pass went on %v after Redis stopped answering (%d keys, Timeout %v); want within a few budgets", held, keys, cfg.Timeout)
+		}
+		if state == breaker.StateClosed {
+			t.Errorf("the breaker closed on the probe's success %v old, Redis hung since", held)
+		}
+		r.link.Resume()
+	})
+}
+
+// TestCloseChargesWhatIsOwed: a rolling deploy closes an instance right
+// after a decision of its timed out and was admitted locally, its breaker
+// closed (a latency spike). What it spent is owed to Redis and charged
+// reconcileAfter later; closed before then, the instance must still charge
+// it, or the fleet admits it on top of the limit.
+func TestCloseChargesWhatIsOwed(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		limit := Limit{Rate: 0.01, Burst: 10}
+		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
+		ctx := context.Background()
+		<-r.lim.warmed
+		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("first decision: %+v, %v", d, err)
+		}
+		r.link.SetLatency(80 * time.Millisecond)
+		if d, err := r.lim.AllowN(ctx, "k", 5); err != nil || !d.Allowed || d.Mode != ModeLocal {
+			t.Fatalf("AllowN(5) = %+v, %v; want a local admission", d, err)
+		}
+		r.link.SetLatency(0)
+		time.Sleep(40 * time.Millisecond) // the decision's late reply
+		start := time.Now()
+		r.lim.Close()
+		took := time.Since(start)
+		time.Sleep(time.Second)
+		rl, err := remote.NewLimit(limit.Rate, limit.Burst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := r.charged("k", rl)
+		t.Logf("Close took %v; Redis was charged %.2f of the 5 tokens admitted locally", took, got)
+		if got < 5-0.5 {
+			t.Errorf("Redis was charged %.2f of the 5 tokens admitted locally before Close", got)
+		}
+		if took > 60*time.Millisecond {
+			t.Errorf("Close took %v; want at most about Timeout", took)
+		}
+	})
+}
+
+// TestSpendingBehindAResentChargeIsCharged: a local admission's charge goes
+// unanswered (Redis runs it late), and the key spends again locally before
+// the next pass. That pass sends the pending charge again under its Once
+// and keeps the new spending owed until it is answered. Once it is, the
+// new spending must still be charged: Redis answers normally from then on,
+// with no time-out, no breaker change and no local decision to start a
+// pass.
+func TestSpendingBehindAResentChargeIsCharged(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		limit := Limit{Rate: 0.01, Burst: 10}
+		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
+		ctx := context.Background()
+		<-r.lim.warmed
+		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("first decision: %+v, %v", d, err)
+		}
+		r.link.SetLatency(80 * time.Millisecond)
+		if d, err := r.lim.AllowN(ctx, "k", 3); err != nil || !d.Allowed || d.Mode != ModeLocal {
+			t.Fatalf("AllowN(3) = %+v, %v; want a local admission", d, err)
+		}
+		time.Sleep(160 * time.Millisecond) // the pass, 100 ms on: its charge of 3 goes unanswered
+		if d, err := r.lim.AllowN(ctx, "k", 2); err != nil || !d.Allowed || d.Mode != ModeLocal {
+			t.Fatalf("AllowN(2) = %+v, %v; want a local admission", d, err)
+		}
+		r.link.SetLatency(0) // the next pass's charges are answered
+		for range 10 {       // Redis decides again, on another key
+			time.Sleep(time.Second)
+			if d, err := r.lim.Allow(ctx, "j"); err != nil || d.Mode != ModeRemote {
+				t.Fatalf("Allow(j) = %+v, %v; want a decision of Redis", d, err)
+			}
+		}
+		rl, err := remote.NewLimit(limit.Rate, limit.Burst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.lim.reconciling <- struct{}{}
+		pending := len(r.lim.unanswered["k"])
+		<-r.lim.reconciling
+		got := r.charged("k", rl)
+		t.Logf("Redis was charged %.2f of the 5 tokens admitted locally (%d charges sent, %d pending)", got, r.sent("k"), pending)
+		if got < 5-0.5 {
+			t.Errorf("Redis was charged %.2f of the 5 tokens admitted locally, 10 s after it answered again", got)
+		}
+	})
+}
+
+// TestPartlyRefundedPendingChargeIsNotChargedTwice: a local admission of 5
+// is charged, and Redis runs the charge but answers late: it stays pending
+// under its Once. The caller then gives 2 of the tokens back. The 3 still
+// owed must go under the pending charge's Once, which Redis applied
+// already: under a new one, Redis takes them on top of the 5.
+func TestPartlyRefundedPendingChargeIsNotChargedTwice(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		limit := Limit{Rate: 0.01, Burst: 10}
+		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
+		ctx := context.Background()
+		<-r.lim.warmed
+		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("first decision: %+v, %v", d, err)
+		}
+		r.link.SetLatency(80 * time.Millisecond)
+		d, err := r.lim.AllowN(ctx, "k", 5)
+		if err != nil || !d.Allowed || d.Mode != ModeLocal {
+			t.Fatalf("AllowN(5) = %+v, %v; want a local admission", d, err)
+		}
+		time.Sleep(160 * time.Millisecond) // the pass, 100 ms on: its charge runs late, unanswered
+		r.link.SetLatency(0)
+		time.Sleep(100 * time.Millisecond) // its late answer is dropped
+		rl, err := remote.NewLimit(limit.Rate, limit.Burst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.lim.reconciling <- struct{}{}
+		pending := len(r.lim.unanswered["k"])
+		<-r.lim.reconciling
+		if pending != 1 || r.charged("k", rl) < 5-0.5 {
+			t.Fatalf("the first charge: %d pending, %.2f applied; want 1 pending, 5 applied", pending, r.charged("k", rl))
+		}
+		if err := r.lim.Refund(ctx, "k", d, 2); err != nil {
+			t.Fatal(err)
+		}
+		for range 5 { // Redis decides again, on another key
+			time.Sleep(time.Second)
+			if d, err := r.lim.Allow(ctx, "j"); err != nil || d.Mode != ModeRemote {
+				t.Fatalf("Allow(j) = %+v, %v; want a decision of Redis", d, err)
+			}
+		}
+		got := r.charged("k", rl)
+		t.Logf("Redis applied %.2f tokens of charges for 5 admitted locally, 2 of them refunded after the charge ran (%d charges sent)", got, r.sent("k"))
+		if got > 5+0.5 {
+			t.Errorf("Redis applied %.2f tokens of charges for 5 tokens admitted locally", got)
 		}
 	})
 }

@@ -1037,13 +1037,24 @@ func (lim *Limiter) sweep() {
 // own time-outs bound. With a client that bounds no read (ReadTimeout -1
 // or -2, without ContextTimeoutEnabled) it does not wait for those calls:
 // the goroutines that sent them return when Redis answers or the client is
-// closed. Close leaves the Redis client open. It is idempotent and always
-// returns nil.
+// closed. Before it stops them, it charges Redis, within one Timeout, with
+// what this instance spent locally and still owes, where the key's breaker
+// is closed. Close leaves the Redis client open. It is idempotent and
+// always returns nil.
 func (lim *Limiter) Close() error {
 	lim.once.Do(func() {
 		lim.mu.Lock()
 		lim.closed.Store(true)
 		lim.mu.Unlock()
+		if lim.spentLocally.Load() {
+			// What this instance spent locally and still owes (held on a
+			// time-out reconcileAfter ago at most, or charged and not
+			// answered) is charged now, within one budget: no later pass
+			// will (a rolling deploy closes every instance in turn).
+			ctx, cancel := context.WithTimeout(lim.ctx, lim.cfg.Timeout)
+			lim.reconcile(ctx, nil)
+			cancel()
+		}
 		close(lim.done)
 		lim.cancel()
 		if lim.pacer != nil {

@@ -141,8 +141,11 @@ func (lim *Limiter) probe(ctx context.Context, nd *node) {
 		for again := 0; o == broken && again < probeRetries && ctx.Err() == nil; again++ {
 			_, o, verdict, _ = lim.send(ctx, nd, pipe, req, budget, false)
 		}
-		if verdict == breaker.Success && i >= lim.cfg.Breaker.Probes {
-			lim.reconcile(ctx, nd)
+		if verdict == breaker.Success && i >= lim.cfg.Breaker.Probes && !lim.reconcile(ctx, nd) {
+			// The node stopped answering the charges sent after the
+			// probe's answer: its success is no longer evidence. What was
+			// not charged stays pending for the next probe.
+			verdict = breaker.Failure
 		}
 		ticket.Done(verdict)
 		if verdict != breaker.Success {

@@ -71,8 +71,12 @@ func (lim *Limiter) reconciler() {
 // the fleet the charges add up to what it spent without Redis, and the
 // refill pays the debt. A charge that fails is owed to the next
 // reconciliation, and its spending is kept off the local buckets meanwhile.
-func (lim *Limiter) reconcile(ctx context.Context, probing *node) {
-	lim.charge(ctx, probing, false)
+//
+// It reports whether the probing node took every charge sent to it: a
+// probe whose node stopped answering during the pass must not close the
+// breaker on its earlier success.
+func (lim *Limiter) reconcile(ctx context.Context, probing *node) bool {
+	return lim.charge(ctx, probing, false)
 }
 
 // settle charges a new master, nd, with the local spending on its keys
@@ -82,17 +86,18 @@ func (lim *Limiter) settle(ctx context.Context, nd *node) {
 	lim.charge(ctx, nd, true)
 }
 
-// charge is reconcile, and with only, settle.
-func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
+// charge is reconcile, and with only, settle. It reports whether no charge
+// to probing met a node that could not answer.
+func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) bool {
 	if lim.cfg.noReconcile {
-		return
+		return true
 	}
 	// The prober and the reconciler both reconcile: one at a time, or
 	// both would report what the other has in flight.
 	select {
 	case lim.reconciling <- struct{}{}:
 	case <-ctx.Done():
-		return // owed to the next reconciliation
+		return true // owed to the next reconciliation
 	}
 	defer func() { <-lim.reconciling }()
 	if lim.cfg.onPass != nil {
@@ -180,9 +185,16 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 		// and made again) is not: the new entry owes nothing of it, and
 		// under a Once Redis may have applied already, the new entry's
 		// spending would be settled without ever being charged.
+		//
+		// A pending charge of which less is owed now (the caller refunded
+		// part of the admission) goes again under its Once for what is
+		// still owed: Redis may have applied it already, and under a new
+		// Once would take that part again on top of it (8 tokens applied
+		// for 5 admitted, 2 of them refunded).
 		resent := false
 		for _, p := range lim.unanswered[key] {
-			if p.entry == entry && p.spent <= spent+local.Negligible && now.Sub(p.sent) < remote.OnceFor {
+			if p.entry == entry && spent > local.Negligible && now.Sub(p.sent) < remote.OnceFor {
+				p.spent = min(p.spent, spent)
 				add(p)
 				spent -= p.spent
 				resent = true
@@ -200,16 +212,38 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 		}
 	}
 	if len(charges) == 0 {
-		return
+		return true
 	}
 	var (
 		mu     sync.Mutex
 		failed int
 		wg     sync.WaitGroup
 		sem    = make(chan struct{}, chargers)
+		// troubled holds the nodes a charge of this pass found unable to
+		// answer (or the pass's ctx ended): their other charges are not
+		// sent in this pass, each of which would wait its whole budget,
+		// chargers at a time (a pass over 1,280 keys of a Redis that hung
+		// again took a second, a million keys 13 minutes, holding the
+		// probe's half-open ticket and the prober throughout). They stay
+		// pending under their Once, as an unanswered charge does.
+		troubled = map[*node]bool{}
+		keep     = func(c charge) {
+			failed++
+			lim.unanswered[c.key] = append(lim.unanswered[c.key], pendingCharge{once: c.req.Once, spent: c.spent, sent: c.first, entry: c.entry})
+		}
 	)
 	for _, c := range charges {
 		sem <- struct{}{}
+		mu.Lock()
+		skip := troubled[c.nd] || ctx.Err() != nil
+		if skip {
+			keep(c)
+		}
+		mu.Unlock()
+		if skip {
+			<-sem
+			continue
+		}
 		wg.Go(func() {
 			defer func() { <-sem }()
 			p := charging
@@ -220,31 +254,39 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) {
 			// paused Redis may run it when it resumes (go-redis cannot say
 			// whether it was written): it goes again under the same Once,
 			// which Redis applies at most once.
+			start, budget := time.Now(), lim.budget(ctx)
 			_, o := lim.call(ctx, c.nd, p, c.req)
 			if o == answered {
 				lim.shares.Settle(c.key, c.spent, c.entry)
 				return
 			}
 			mu.Lock()
-			failed++
+			defer mu.Unlock()
 			if o == badValue {
 				// Redis refused it with an error (an ACL, say): it took
 				// nothing and would refuse it again. Kept pending, its own
 				// answer would ask for the next pass (see send): a pass
 				// and a refusal every reconcileAfter. It stays owed, for
 				// the next pass something else starts.
-				mu.Unlock()
+				failed++
 				return
 			}
 			// Perhaps run: the next one goes under this Once, which is
 			// harmless if this one never left.
-			lim.unanswered[c.key] = append(lim.unanswered[c.key], pendingCharge{once: c.req.Once, spent: c.spent, sent: c.first, entry: c.entry})
-			mu.Unlock()
+			keep(c)
+			if o == callerGone || (o == unanswered || o == down) && time.Since(start) >= budget*9/10 {
+				// The node did not answer within the budget. A charge that
+				// failed at once (a connection pooled before a restart,
+				// broken; a key whose slot moved) costs the pass nothing,
+				// and the client's next connection may well answer.
+				troubled[c.nd] = true
+			}
 		})
 	}
 	wg.Wait()
 	lim.cfg.Logger.Info("hybridlimit: charged Redis for local spending",
 		"limiter", lim.cfg.Name, "keys", len(charges), "failed", failed)
+	return probing == nil || !troubled[probing]
 }
 
 // pendingCharge is a charge of spent tokens, named once so that Redis

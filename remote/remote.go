@@ -284,7 +284,8 @@ type Request struct {
 	Charge bool
 	// Once, with Charge, names the charge so that Redis applies it at
 	// most once, however often it is sent: a charge that was sent and not
-	// answered is sent again with the same Once and the same Units. The
+	// answered is sent again with the same Once, and the same Units or
+	// fewer (what is still owed, if part was refunded since). The
 	// Result of one applied before has Allowed true and Again true. Once
 	// is kept by Redis for OnceFor, in a key beside Key's (OnceKey).
 	Once string
