@@ -168,13 +168,15 @@ type Config struct {
 	// decisions on the key spend them here without asking Redis
 	// (ModeLease), until they run out or LeaseFor has passed. Concurrent
 	// decisions that find no lease each take one; they add up. Leased
-	// tokens are taken from the shared bucket, so the fleet never admits
-	// more than the limit allows; but tokens this instance does not spend
-	// within LeaseFor are lost, and while it holds them other instances
-	// may be refused. A key's limit lowered (SetLimit, LimitFor) drops
-	// the tokens leased under the higher one. Zero (the default) turns it
-	// off. docs/guide.md,
-	// "Lease", has the measured cost.
+	// tokens are taken from the shared bucket, so over time the fleet
+	// admits no more than the limit allows, and in any window no more than
+	// the bucket grants in it plus the tokens leased before it (the bucket
+	// refills below its cap while they are held); but tokens this instance
+	// does not spend within LeaseFor are lost, and while it holds them
+	// other instances may be refused. A key's limit lowered (SetLimit,
+	// LimitFor) drops the tokens leased under the higher one. Zero (the
+	// default) turns it off. docs/guide.md, "Lease", has the measured
+	// cost.
 	Lease int64
 	// LeaseFor is how long leased tokens may be spent after the request
 	// that leased them was sent. Zero means DefaultLeaseFor.

@@ -231,3 +231,32 @@ func TestLeaseAfterTierDowngrade(t *testing.T) {
 		t.Errorf("admitted %d after the key's tier went to burst 5; want at most 5", admitted)
 	}
 }
+
+// TestLeaseHeldBeyondTheBurst: leased tokens are out of Redis's bucket,
+// which refills below its cap while they are held, so at one instant an
+// instance can admit its lease and a full bucket: the bound of a window
+// is the bucket's plus the tokens leased before it (documented on
+// Config.Lease).
+func TestLeaseHeldBeyondTheBurst(t *testing.T) {
+	m, c := miniClient(t)
+	clock := newFakeClock(m)
+	lim := newLimiter(t, Config{Redis: c, Limit: Limit{Rate: 100, Burst: 2}, Lease: 1, Heartbeat: -1, Instances: 1, now: clock.Now})
+	ctx := context.Background()
+	if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed || d.Mode != ModeRemote {
+		t.Fatalf("Allow = %+v, %v; want allowed by Redis, 1 more leased", d, err)
+	}
+	clock.Add(20 * time.Millisecond) // the bucket refills to its burst; the lease is still valid
+	admitted := 0
+	for range 5 {
+		d, err := lim.Allow(ctx, "k")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if d.Allowed {
+			admitted++
+		}
+	}
+	if admitted != 3 {
+		t.Errorf("at one instant, %d admitted; want 3: the burst of 2 and the token leased before", admitted)
+	}
+}
