@@ -193,7 +193,7 @@ type chargeRig struct {
 func newChargeRig(t *testing.T, cfg Config) *chargeRig {
 	r := &chargeRig{srv: simredis.New(), link: simnet.NewLink(), applied: map[string]int64{}, sentTo: map[string]int{}}
 	t.Cleanup(r.srv.Close)
-	r.srv.Hook = func(_ int, key string, argv []string, reply any) {
+	r.srv.Hook = func(_ int, key, _ string, argv []string, reply any) {
 		if len(argv) <= 4 || argv[4] != "charge" {
 			return
 		}

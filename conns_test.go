@@ -80,7 +80,7 @@ func TestChargesAppliedOnce(t *testing.T) {
 		defer srv.Close()
 		var mu sync.Mutex
 		var charged int64 // units Redis took in charges
-		srv.Hook = func(_ int, _ string, argv []string, reply any) {
+		srv.Hook = func(_ int, _, _ string, argv []string, reply any) {
 			r, _ := reply.([]any)
 			if len(argv) > 4 && argv[4] == "charge" && len(r) > 0 && r[0] != int64(4) {
 				units, _ := strconv.ParseInt(argv[3], 10, 64)

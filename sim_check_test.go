@@ -42,6 +42,42 @@ func TestSimChargesInTheirOwnUnits(t *testing.T) {
 	}
 }
 
+// TestSimChargeReappliedAfterALoss: a charge applied, then forgotten with
+// its marker by a data loss and applied again under the same marker,
+// counts once (it puts back the debt the loss erased); two charges under
+// two markers count twice, and find an overcharge (seed 1823).
+func TestSimChargeReappliedAfterALoss(t *testing.T) {
+	l := PerSecond(100)
+	rl, err := remote.NewLimit(l.Rate, l.Burst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(second string) []string {
+		r := &simRun{s: schedule{Timeout: 50 * time.Millisecond}}
+		r.limits = append(r.limits, struct {
+			at time.Duration
+			l  Limit
+		}{0, l})
+		for i := range 36 {
+			r.recs = append(r.recs, record{inst: 0, key: "k", n: 1, allowed: true, mode: ModeLocal,
+				start: time.Duration(i) * time.Millisecond, end: time.Duration(i) * time.Millisecond})
+		}
+		r.charges = []charge{
+			{inst: 0, key: "k", units: 36 * rl.P, p: rl.P, at: 1500 * time.Millisecond, once: "a"},
+			{inst: 0, key: "k", units: 36 * rl.P, p: rl.P, at: 3000 * time.Millisecond, once: second},
+		}
+		var got []string
+		r.checkCharges(func(name, format string, args ...any) { got = append(got, name) })
+		return got
+	}
+	if got := check("a"); len(got) != 0 {
+		t.Errorf("one charge of 36 for 36 spent, applied again under its marker after a loss: %v; want none", got)
+	}
+	if got := check("b"); len(got) == 0 {
+		t.Errorf("two charges of 36 under two markers for 36 spent: no overcharge found")
+	}
+}
+
 // TestSimWindowsFindsOverAdmission: the window check finds a second in
 // which the fleet admitted more than Rate×1 s + Burst, though the run as a
 // whole stayed under its bound, and a local admission's weight adds its
@@ -128,7 +164,7 @@ func TestSimStaleDenialAllowances(t *testing.T) {
 		r.answered = map[answeredKey][]time.Duration{}
 		r.t0 = time.Now().Add(-refundAt) // r.since() is the refund's time
 		if refundAt > 0 {
-			r.scriptRan(0, DefaultPrefix+"k0", []string{"1", "100000", "1000000", "-100000"}, []any{int64(1), int64(200000), int64(0)})
+			r.scriptRan(0, DefaultPrefix+"k0", "", []string{"1", "100000", "1000000", "-100000"}, []any{int64(1), int64(200000), int64(0)})
 		}
 		rec.inst, rec.key, rec.n, rec.mode, rec.staleDeny = 0, "k0", 1, ModeRemote, true
 		rec.end = rec.start

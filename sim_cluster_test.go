@@ -361,7 +361,7 @@ func (r *simRun) checkFailover(add func(string, string, ...any)) {
 		from := e.At + e.After + failoverRemote
 		late := map[int]bool{}
 		for _, rec := range r.recs {
-			if rec.wait || rec.err != nil || rec.start < from || rec.mode == ModeRemote || late[rec.inst] {
+			if rec.wait || rec.err != nil || rec.start < from || rec.mode == ModeRemote || rec.mode == ModeLease || late[rec.inst] {
 				continue
 			}
 			if r.dialed(rec) {

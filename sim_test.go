@@ -123,7 +123,15 @@ type schedule struct {
 	Heartbeat time.Duration
 	// Shift, if not 0, is when each instance takes over the next one's
 	// traffic.
-	Shift  time.Duration
+	Shift time.Duration
+	// Lease is Config.Lease (0: off): Redis's decisions take up to Lease
+	// more tokens, which the instance spends without Redis for LeaseFor.
+	Lease int64
+	// LeaseFor is Config.LeaseFor, with Lease.
+	LeaseFor time.Duration
+	// AtMost: calls for more than one token go through AllowAtMost,
+	// which grants what the bucket holds, up to n.
+	AtMost bool
 	Events []event
 	// Cluster, if not nil, runs the fleet against a Redis Cluster, with
 	// the Cluster's faults instead of Events (sim_cluster_test.go).
@@ -136,6 +144,9 @@ func (s schedule) String() string {
 		s.Seed, s.Instances, s.Slots, s.CfgInst, s.Policy, s.Limit, s.Timeout, s.Probes)
 	fmt.Fprintf(&b, "  %d keys, %s traffic at %.0f/s, deadlines %s, n up to %d, %d WaitN workers, refunds %.0f%%, TLS %v, ContextTimeoutEnabled %v, PoolSize %d, dials +%v, %v\n",
 		s.Keys, s.Shape, s.Offered, s.Deadline, s.MaxN, s.Waiters, s.Refunds*100, s.TLS, s.CtxTimeout, s.Pool, s.DialDelay, s.Duration)
+	if s.Lease > 0 || s.AtMost {
+		fmt.Fprintf(&b, "  Lease %d for %v, AllowAtMost %v\n", s.Lease, s.LeaseFor, s.AtMost)
+	}
 	if s.Heartbeat != 0 {
 		fmt.Fprintf(&b, "  Heartbeat %v\n", s.Heartbeat)
 	}
@@ -194,6 +205,12 @@ func (s schedule) features() []string {
 	if s.Shift > 0 {
 		f = append(f, "shift")
 	}
+	if s.Lease > 0 {
+		f = append(f, "lease")
+	}
+	if s.AtMost {
+		f = append(f, "atmost")
+	}
 	if s.Cluster != nil {
 		f = append(f, s.Cluster.features()...)
 	}
@@ -230,6 +247,15 @@ func genSchedule(seed uint64) schedule {
 		// consistent-hash ring, or a load balancer rebalancing, does.
 		s.Shift = 300*time.Millisecond + time.Duration(sh.Int64N(int64(s.Duration-800*time.Millisecond)))
 	}
+	if l := rand.New(rand.NewPCG(seed, 0x1ea5)); l.IntN(5) == 0 {
+		// Lease mode, for hot keys: tokens taken ahead from Redis's
+		// bucket and spent in the instance.
+		s.Lease = []int64{1, 3, 10}[l.IntN(3)]
+		// Long enough, in some, for the run's sparse traffic to spend
+		// what it leased.
+		s.LeaseFor = []time.Duration{DefaultLeaseFor, 500 * time.Millisecond, 2 * time.Second}[l.IntN(3)]
+	}
+	s.AtMost = rand.New(rand.NewPCG(seed, 0xa7a7)).IntN(3) == 0
 	if h := rand.New(rand.NewPCG(seed, 0x4ea7)); h.IntN(3) == 0 {
 		// Heartbeats short enough for a run to read tens of windows:
 		// the fleet's weights and key shares move within it.
@@ -379,6 +405,7 @@ type record struct {
 	weight     float64 // the instance's share of the key, for local admissions
 	byPart     bool    // weight is a key share (docs/design.md, per-key shares), not the instance's weight
 	staleDeny  bool    // a remote denial that Redis's bucket would not give
+	atMost     bool    // AllowAtMost: n is what it granted
 }
 
 // charge is a charge-mode script call the server ran.
@@ -388,6 +415,7 @@ type charge struct {
 	units int64
 	p     int64 // units per token, as the call said: the limit it was sent under
 	at    time.Duration
+	once  string // its marker (KEYS[2]), "" if none
 }
 
 // interval is [from, to) of virtual time since the start.
@@ -631,7 +659,7 @@ func (r *simRun) startInstance(ctx context.Context, i int, client redis.Universa
 	lim, err := New(Config{
 		Redis: client, Limit: r.limitAt(r.since()), Instances: s.CfgInst, Timeout: s.Timeout,
 		OnFailure: s.Policy, Breaker: BreakerConfig{Probes: s.Probes}, Observer: obs,
-		Heartbeat: s.Heartbeat, rand: draws(s.Seed, i), onView: func(v *fleet) { r.viewed(i, obs, v) },
+		Heartbeat: s.Heartbeat, Lease: s.Lease, LeaseFor: s.LeaseFor, rand: draws(s.Seed, i), onView: func(v *fleet) { r.viewed(i, obs, v) },
 	})
 	if err != nil {
 		panic(err)
@@ -718,7 +746,7 @@ func (r *simRun) limitAt(at time.Duration) Limit {
 
 // scriptRan records a call of the bucket script the server ran for slot
 // tag: when, and the tokens of a charge.
-func (r *simRun) scriptRan(tag int, key string, argv []string, reply any) {
+func (r *simRun) scriptRan(tag int, key, marker string, argv []string, reply any) {
 	now := r.since()
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -740,7 +768,7 @@ func (r *simRun) scriptRan(tag int, key string, argv []string, reply any) {
 	if len(argv) > 4 && argv[4] == "charge" {
 		units, p := simInt(argv[3]), simInt(argv[1])
 		if units > 0 && p > 0 {
-			r.charges = append(r.charges, charge{tag, k.key, units, p, now})
+			r.charges = append(r.charges, charge{tag, k.key, units, p, now, marker})
 		}
 	}
 }
@@ -1167,8 +1195,19 @@ func (r *simRun) call(in *instance, i int, key string, n int64, dl time.Duration
 		ctx, cancel = context.WithTimeout(ctx, dl)
 		defer cancel()
 	}
-	rec := record{inst: i, key: key, n: n, start: r.since(), deadline: dl}
-	d, err := in.lim.AllowN(ctx, key, n)
+	rec := record{inst: i, key: key, n: n, start: r.since(), deadline: dl, atMost: r.s.AtMost && n > 1}
+	var d Decision
+	var err error
+	need := n // tokens a denial says the bucket does not hold
+	if rec.atMost {
+		d, err = in.lim.AllowAtMost(ctx, key, n)
+		need = 1
+		if err == nil && d.Allowed {
+			rec.n = d.Granted
+		}
+	} else {
+		d, err = in.lim.AllowN(ctx, key, n)
+	}
 	rec.end = r.since()
 	rec.err, rec.allowed, rec.mode, rec.retry, rec.cached = err, d.Allowed, d.Mode, d.RetryAfter, d.Cached
 	if err == nil && d.Allowed && d.Mode == ModeLocal {
@@ -1180,13 +1219,13 @@ func (r *simRun) call(in *instance, i int, key string, n int64, dl time.Duration
 	if err == nil && !d.Allowed && d.Mode == ModeRemote && rec.end == rec.start && !r.changes() {
 		l := r.limitAt(rec.end)
 		if rl, lerr := remote.NewLimit(l.Rate, l.Burst); lerr == nil {
-			if r.level(DefaultPrefix+key, rl.Q, rl.P, rl.Cap()) >= n*rl.P {
+			if r.level(DefaultPrefix+key, rl.Q, rl.P, rl.Cap()) >= need*rl.P {
 				rec.staleDeny = true
 			}
 		}
 	}
 	if err == nil && d.Allowed && refund {
-		_ = in.lim.Refund(context.Background(), key, d, n)
+		_ = in.lim.Refund(context.Background(), key, d, rec.n)
 		rec.refunded = true
 	}
 	r.mu.Lock()
@@ -1403,7 +1442,7 @@ func (r *simRun) check(v map[string][]string) {
 			dialed, bound = max(dialed, d.to), max(bound, d.to+2*reopen)
 		}
 		for _, rec := range recs {
-			if rec.inst == i && !rec.wait && rec.err == nil && rec.start > bound && rec.mode != ModeRemote {
+			if rec.inst == i && !rec.wait && rec.err == nil && rec.start > bound && rec.mode != ModeRemote && rec.mode != ModeLease {
 				add("recovery", "instance %d AllowN(%s) at %v decided %v; Redis was back at %v, its last slow dial ended at %v, bound %v",
 					i, rec.key, rec.start, rec.mode, healed, dialed, bound)
 				break
@@ -1576,6 +1615,7 @@ func (r *simRun) checkWindows(add func(string, string, ...any)) {
 				fmt.Printf("%12v inst %d %s: admitted %d (local %v, weight %.3f)\n", x.at, x.inst, key, x.n, x.local, x.weight)
 			}
 		}
+		leased := r.leasedBefore(key)
 		// By slot, the largest weight and key share of a window's local
 		// admissions.
 		weights, parts := make([]float64, s.Slots), make([]float64, s.Slots)
@@ -1624,6 +1664,9 @@ func (r *simRun) checkWindows(add func(string, string, ...any)) {
 			// from the old bucket is admitted when the refill has paid it,
 			// up to the waiter's deadline later).
 			allow += float64(bmax) * float64(count(losses, min(granted, a-time.Second), b))
+			// Tokens leased before the window and spent in it: taken from
+			// the bucket before a, which refilled below its cap meanwhile.
+			allow += float64(leased(a))
 			if float64(got) > base+allow+1e-9 {
 				add("window-limit", "key %s admitted %d in [%v, %v); bound %.1f (%.1f + outage allowance %.1f, local shares %.2f)",
 					key, got, a, b, base+allow, base, allow, sum)
@@ -1639,6 +1682,53 @@ func (r *simRun) checkWindows(add func(string, string, ...any)) {
 				break
 			}
 		}
+	}
+}
+
+// leasedBefore returns, for key, a function bounding the tokens held in
+// leases at a: per instance, Lease for each grant of the lease that is
+// still valid at a. Lease keeps a lease valid until the latest of its
+// grants' ends when a grant is sent while it is valid (the tokens add up),
+// so a grant counts while such a chain of grants reaches a.
+func (r *simRun) leasedBefore(key string) func(a time.Duration) int64 {
+	if r.s.Lease == 0 {
+		return func(time.Duration) int64 { return 0 }
+	}
+	leaseFor := r.s.LeaseFor
+	type grant struct{ sent, got time.Duration }
+	grants := make([][]grant, r.s.Slots)
+	for _, rec := range r.recs {
+		// A decision Redis allowed leases; AllowAtMost and WaitN do not.
+		if rec.key == key && !rec.wait && !rec.atMost && rec.err == nil && rec.allowed && rec.mode == ModeRemote && !rec.cached {
+			grants[rec.inst] = append(grants[rec.inst], grant{rec.start, rec.end})
+		}
+	}
+	for _, g := range grants {
+		sort.Slice(g, func(i, j int) bool { return g[i].got < g[j].got })
+	}
+	return func(a time.Duration) int64 {
+		var held int64
+		for _, g := range grants {
+			var chain int64
+			var until time.Duration
+			for _, x := range g {
+				if x.got >= a {
+					break
+				}
+				// Lease takes the grant's send as its now: a grant sent
+				// while the lease was valid adds to it, however late its
+				// answer came.
+				if x.sent >= until {
+					chain = 0
+				}
+				chain++
+				until = max(until, x.sent+leaseFor)
+			}
+			if until > a {
+				held += chain * r.s.Lease
+			}
+		}
+		return held
 	}
 }
 
@@ -1752,9 +1842,14 @@ func (r *simRun) killedOrHungAll() []interval {
 
 // checkExact checks, on a healthy run with n = 1, that the fleet admitted
 // exactly what one token bucket, fed every call in order, admits.
+//
+// Not with leases: a lease's tokens are out of the bucket, which refills
+// below its cap while they are held (more than one bucket admits), and
+// tokens not spent within LeaseFor are lost (fewer); checkWindows bounds
+// them.
 func (r *simRun) checkExact(add func(string, string, ...any)) {
 	s := r.s
-	if !s.healthy() {
+	if !s.healthy() || s.Lease > 0 {
 		return
 	}
 	rl, err := remote.NewLimit(s.Limit.Rate, s.Limit.Burst)
@@ -1831,6 +1926,11 @@ func (r *simRun) checkCharges(add func(string, string, ...any)) {
 		key  string
 	}
 	charged := map[ik]float64{}
+	// A charge applied again under its marker is one whose marker a data
+	// loss (a kill, a takeover) forgot, with the bucket it was applied
+	// to: sent again, it puts back on the new bucket the debt the loss
+	// erased, as the design means it to. It is counted once.
+	applied := map[string]bool{}
 	cs := slices.Clone(r.charges)
 	sort.SliceStable(cs, func(i, j int) bool { return cs[i].at < cs[j].at })
 	for _, c := range cs {
@@ -1838,7 +1938,16 @@ func (r *simRun) checkCharges(add func(string, string, ...any)) {
 		// P), which a limit change may have replaced by the time Redis
 		// ran it.
 		k := ik{c.inst, c.key}
+		if c.once != "" {
+			if applied[c.once] {
+				continue
+			}
+			applied[c.once] = true
+		}
 		charged[k] += float64(c.units) / float64(c.p)
+		if *simTrace && *simSeed >= 0 {
+			fmt.Printf("%12v inst %d %s: charge of %.2f applied (%.2f in all)\n", c.at, c.inst, c.key, float64(c.units)/float64(c.p), charged[k])
+		}
 		var local, timedOut int64
 		for _, rec := range r.recs {
 			if rec.inst != c.inst || rec.key != c.key || rec.end > c.at || rec.err != nil {

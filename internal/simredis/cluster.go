@@ -224,7 +224,7 @@ func (c *Cluster) Level(key string, q, p, capacity int64) int64 {
 }
 
 // SetHooks sets Hook and FleetHook on every node, before serving.
-func (c *Cluster) SetHooks(hook func(tag int, key string, argv []string, reply any), fleet func(tag int)) {
+func (c *Cluster) SetHooks(hook func(tag int, key, marker string, argv []string, reply any), fleet func(tag int)) {
 	for _, n := range c.Nodes {
 		n.Hook, n.FleetHook = hook, fleet
 	}

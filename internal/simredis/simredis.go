@@ -75,9 +75,10 @@ type Server struct {
 	wg sync.WaitGroup // one per connection served from a goroutine
 
 	// Hook, if not nil, is called with s's lock held after every call of
-	// the bucket script, with the tag of the connection it came on. Set it
-	// before serving; it must not call s.
-	Hook func(tag int, key string, argv []string, reply any)
+	// the bucket script, with the tag of the connection it came on and the
+	// charge's marker (KEYS[2], "" if none). Set it before serving; it
+	// must not call s.
+	Hook func(tag int, key, marker string, argv []string, reply any)
 
 	// FleetHook, if not nil, is called like Hook after every call of the
 	// fleet script (a heartbeat) that read a closed window: from its
@@ -482,7 +483,7 @@ func (s *Server) command(args []string, tag int) any {
 				s.replicate(marker)
 			}
 			if s.Hook != nil {
-				s.Hook(tag, args[3], argv, reply)
+				s.Hook(tag, args[3], marker, argv, reply)
 			}
 			return reply
 		}
