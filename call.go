@@ -209,6 +209,9 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 		nd.probe.Store(&probe{key: req.Key, rl: req.Limit})
 		nd.failed.Store(lim.cfg.now().UnixNano())
 		nd.failing.Store(true)
+		if err != nil {
+			nd.lastErr.Store(&err)
+		}
 		lim.relayoutAfterFailure()
 	case breaker.Success:
 		nd.failing.Store(false)

@@ -215,6 +215,9 @@ type node struct {
 	// restart without its data fails the calls sent meanwhile), so it
 	// answers no cached denial.
 	failed atomic.Int64
+	// lastErr is the error of the node's last failed call, for the log
+	// of its breaker's transitions: the only place the cause is told.
+	lastErr atomic.Pointer[error]
 	// failing is set while the node's last call failed. A Cluster node's
 	// keys are then routed by the limiter's own layout (override): an
 	// instance whose traffic is too sparse to open the breaker would
@@ -334,9 +337,12 @@ func (lim *Limiter) newNode(addr string, c *redis.Client) *node {
 		Probes:   uint32(b.Probes),
 		Rand:     lim.cfg.rand,
 		OnStateChange: func(name string, from, to breaker.State) {
-			lim.cfg.Logger.Warn("hybridlimit: breaker state changed",
-				"limiter", lim.cfg.Name, "node", name, "from", from.String(), "to", to.String(),
-				"policy", lim.cfg.OnFailure.String())
+			args := []any{"limiter", lim.cfg.Name, "node", name, "from", from.String(), "to", to.String(),
+				"policy", lim.cfg.OnFailure.String()}
+			if e := nd.lastErr.Load(); e != nil && to == breaker.StateOpen {
+				args = append(args, "err", *e)
+			}
+			lim.cfg.Logger.Warn("hybridlimit: breaker state changed", args...)
 			if lim.cfg.Observer != nil {
 				lim.cfg.Observer.ObserveBreaker(BreakerEvent{
 					Limiter: lim.cfg.Name, Node: name, From: from.String(), To: to.String(),

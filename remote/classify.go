@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"strings"
 	"syscall"
 
 	"github.com/redis/go-redis/v9"
@@ -56,7 +57,24 @@ func IsFailure(err error) bool {
 		// No helpers exist for these two. The space keeps BUSYKEY and
 		// BUSYGROUP out; they are answers, not states.
 		redis.HasErrorPrefix(rerr, "BUSY ") ||
-		redis.HasErrorPrefix(rerr, "MISCONF ")
+		redis.HasErrorPrefix(rerr, "MISCONF ") ||
+		scriptRefused(rerr.Error())
+}
+
+// scriptRefused reports whether msg is Redis 6's report of a write that a
+// script's redis.call met on a node that cannot decide: before Redis 7 the
+// refusal's code comes wrapped, as "ERR Error running script (call to
+// f_...): @user_script:N: -OOM ...". (go-redis recognizes READONLY so.)
+func scriptRefused(msg string) bool {
+	if !strings.Contains(msg, "Error running script") {
+		return false
+	}
+	for _, code := range [...]string{"-OOM ", "-MISCONF ", "-NOREPLICAS ", "-READONLY "} {
+		if strings.Contains(msg, code) {
+			return true
+		}
+	}
+	return false
 }
 
 // Redirected reports whether err is a Cluster node's MOVED or ASK reply,

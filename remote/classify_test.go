@@ -257,3 +257,25 @@ func TestIsUnsentAllocs(t *testing.T) {
 		}
 	}
 }
+
+// TestIsFailureScriptWrapped: Redis 6 (ElastiCache and Memorystore still
+// run 6.x) reports a refusal met by redis.call inside a script not under
+// its own code but wrapped in "ERR Error running script": a node out of
+// memory (noeviction), one that cannot persist (stop-writes-on-bgsave-error)
+// or without enough replicas (min-replicas-to-write) cannot decide, as
+// much as the unwrapped codes Redis 7 returns.
+func TestIsFailureScriptWrapped(t *testing.T) {
+	for _, msg := range []string{
+		"ERR Error running script (call to f_0123): @user_script:57: @user_script: 57: -OOM command not allowed when used memory > 'maxmemory'.",
+		"ERR Error running script (call to f_0123): @user_script:57: @user_script: 57: -MISCONF Redis is configured to save RDB snapshots, but it is currently not able to persist on disk. Commands that may modify the data set are disabled, because this instance is configured to report errors during writes if RDB snapshotting fails (stop-writes-on-bgsave-error option). Please check the Redis logs for details about the RDB error.",
+		"ERR Error running script (call to f_0123): @user_script:57: @user_script: 57: -NOREPLICAS Not enough good replicas to write.",
+	} {
+		if !IsFailure(serverError(msg)) {
+			t.Errorf("IsFailure(%q) = false; want true", msg)
+		}
+	}
+	// A script's own error stays an answer.
+	if msg := "ERR Error running script (call to f_0123): @user_script:3: user_script:3: attempt to compare nil with number"; IsFailure(serverError(msg)) {
+		t.Errorf("IsFailure(%q) = true; want false", msg)
+	}
+}
