@@ -179,7 +179,9 @@ type Config struct {
 	// cost.
 	Lease int64
 	// LeaseFor is how long leased tokens may be spent after the request
-	// that leased them was sent. Zero means DefaultLeaseFor.
+	// that leased them was sent; tokens leased by a request sent while a
+	// lease is held join it, and the whole lease lasts until the later of
+	// the two. Zero means DefaultLeaseFor.
 	LeaseFor time.Duration
 	// Shadow computes, observes and reports every decision but never
 	// enforces it: a denial is returned with Allowed true and Shadowed true.
