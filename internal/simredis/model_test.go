@@ -149,16 +149,16 @@ func call(t *testing.T, c *redis.Client, m *Server, i int, key, once string, arg
 		// Redis's cached clock when PTTL runs, which lags TIME by as long
 		// as the process went unscheduled after it last read the clock (a
 		// PTTL 5 ms longer than the model's TTL at the script's TIME, on a
-		// busy machine). SET ... PX counts from Redis's clock when the
-		// script ran, at or before the TIME the script read: the model's
-		// expiry, at TIME, is no earlier (but for the milliseconds'
-		// rounding), and later by as long as Redis was descheduled
-		// between its clock and TIME.
+		// busy machine). SET ... PX counts from Redis's clock when the SET
+		// runs, which the script's TIME may precede (the script was
+		// descheduled between them: 2 ms in a CI run beside other work)
+		// or follow (a cached clock): either way by what a busy machine
+		// delays a process, which the model, at TIME, cannot know.
 		pexp, err := c.Do(ctx, "PEXPIRETIME", key).Int64()
 		if err != nil {
 			t.Fatalf("call %d: PEXPIRETIME %s: %v", i, key, err)
 		}
-		if d := v.expire.UnixMilli() - pexp; d < -1 || d > 100 {
+		if d := v.expire.UnixMilli() - pexp; d < -100 || d > 100 {
 			t.Fatalf("call %d %s %v: model expires at %d ms, redis at %d (%d ms apart)", i, key, argv, v.expire.UnixMilli(), pexp, d)
 		}
 	}
