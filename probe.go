@@ -64,7 +64,14 @@ func (lim *Limiter) probePipe(nd *node) *remote.Pipe {
 		return nd.pipe
 	}
 	nd.once.Do(func() {
-		if c := lim.ownClient(nd.addr); c != nil {
+		lim.mu.Lock()
+		defer lim.mu.Unlock()
+		// A node forgotten meanwhile names its address no more: a client
+		// made for it now would be kept by nothing (unnamedClients).
+		if (*lim.nodes.Load())[nd.addr] != nd {
+			return
+		}
+		if c := lim.ownClientLocked(nd.addr); c != nil {
 			nd.direct = remote.NewPipe(c, 1, nd.pipe.Node()) // the same node: what is known of it is shared
 		}
 	})

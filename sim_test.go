@@ -1717,12 +1717,15 @@ func (r *simRun) leasedBefore(key string) func(a time.Duration) int64 {
 				}
 				// Lease takes the grant's send as its now: a grant sent
 				// while the lease was valid adds to it, however late its
-				// answer came.
+				// answer came. The send is after the call's start (the
+				// node found, a settling waited for) and before its end:
+				// a chain is cut only when even the start is past the
+				// lease, and a lease lasts from the latest send it can have.
 				if x.sent >= until {
 					chain = 0
 				}
 				chain++
-				until = max(until, x.sent+leaseFor)
+				until = max(until, x.got+leaseFor)
 			}
 			if until > a {
 				held += chain * r.s.Lease

@@ -92,7 +92,10 @@ type lease struct {
 // bucket caps its tokens at a lowered burst and refills at a lowered rate;
 // tokens this instance holds apart from it would escape both.
 func lowered(from, to remote.Limit) bool {
-	return from != to && (to.Burst < from.Burst || to.Rate() < from.Rate())
+	// NewLimit picks Q/P by the burst: the same rate under another burst
+	// may differ in its last bits (within NewLimit's 1e-9), which is not
+	// a lowered rate.
+	return from != to && (to.Burst < from.Burst || to.Rate() < from.Rate()*(1-1e-9))
 }
 
 // bucket is what this instance knows of one key: its local limiter, if a

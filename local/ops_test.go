@@ -148,3 +148,26 @@ func TestLeaseUnderALoweredLimit(t *testing.T) {
 		t.Errorf("Leased after a lease under a lowered limit = %d; want its 3 only", got)
 	}
 }
+
+// TestLeaseKeptUnderRaisedBurst: the same rate with a larger burst lowers
+// nothing, so the lease stays; but NewLimit picks another fraction Q/P for
+// the larger burst, whose Rate() is below the old one's in its last bits.
+func TestLeaseKeptUnderRaisedBurst(t *testing.T) {
+	const rate = 163.87541502137225
+	from, err := remote.NewLimit(rate, 13)
+	if err != nil {
+		t.Fatal(err)
+	}
+	to, err := remote.NewLimit(rate, 5152394)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if from.Rate() == to.Rate() {
+		t.Fatalf("%+v and %+v have the same Rate(): the test needs two fractions of one rate", from, to)
+	}
+	s := New(100)
+	s.Lease(t0, "k", from, 5, t0.Add(time.Second))
+	if _, ok := s.TakeLease(t0.Add(time.Millisecond), "k", to, 1); !ok {
+		t.Errorf("the same rate with a raised burst (%v/s, then %v/s) dropped the lease", from.Rate(), to.Rate())
+	}
+}
