@@ -129,9 +129,7 @@ func TestUnansweredChargesDoNotPileUp(t *testing.T) {
 		r := newChargeRig(t, Config{Limit: Limit{Rate: 1000, Burst: 1000}, Instances: 1, Heartbeat: -1,
 			Timeout: 50 * time.Millisecond, Breaker: BreakerConfig{Failures: 1000}})
 		ctx := context.Background()
-		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("first decision: %+v, %v", d, err)
-		}
+		r.decideRemote(t, "k")
 		r.link.SetLatency(80 * time.Millisecond)
 		const rounds = 30
 		for range rounds {
@@ -242,9 +240,7 @@ func passesWhileDeciding(t *testing.T, lim *Limiter, passes *atomic.Int64, keys 
 func (r *chargeRig) unansweredCharge(t *testing.T, key string, n int64) Decision {
 	t.Helper()
 	ctx := context.Background()
-	if d, err := r.lim.Allow(ctx, key); err != nil || d.Mode != ModeRemote {
-		t.Fatalf("first decision: %+v, %v", d, err)
-	}
+	r.decideRemote(t, key)
 	r.link.SetLatency(80 * time.Millisecond)
 	d, err := r.lim.AllowN(ctx, key, n)
 	if err != nil || !d.Allowed || d.Mode != ModeLocal {
@@ -257,6 +253,16 @@ func (r *chargeRig) unansweredCharge(t *testing.T, key string, n int64) Decision
 	r.link.Reset()                     // and dies unread
 	r.link.Resume()
 	return d
+}
+
+// decideRemote makes a decision on key that Redis must make, once the
+// limiter's first contact is over.
+func (r *chargeRig) decideRemote(t *testing.T, key string) {
+	t.Helper()
+	<-r.lim.warmed
+	if d, err := r.lim.Allow(context.Background(), key); err != nil || d.Mode != ModeRemote {
+		t.Fatalf("first decision on %s: %+v, %v", key, d, err)
+	}
 }
 
 // charged returns the tokens of rl that Redis applied in charges of key.
@@ -353,9 +359,7 @@ func TestRefusedChargeIsNotResentAtOnce(t *testing.T) {
 		refused := &refuseCharges{key: DefaultPrefix + "k"}
 		r.lim.cfg.Redis.(*redis.Client).AddHook(refused)
 		ctx := context.Background()
-		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("first decision: %+v, %v", d, err)
-		}
+		r.decideRemote(t, "k")
 		r.link.SetLatency(80 * time.Millisecond)
 		if d, err := r.lim.AllowN(ctx, "k", 5); err != nil || !d.Allowed || d.Mode != ModeLocal {
 			t.Fatalf("AllowN(5) = %+v, %v; want a local admission", d, err)
@@ -429,9 +433,7 @@ func TestResentChargeOfAnEvictedEntry(t *testing.T) {
 				t.Fatalf("AllowN(%s, %d) = %+v, %v; want a local admission", key, n, d, err)
 			}
 		}
-		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("first decision: %+v, %v", d, err)
-		}
+		r.decideRemote(t, "k")
 		local("k", 5)                      // the first entry spends 5, held
 		time.Sleep(200 * time.Millisecond) // the pass, 100 ms on: its charge runs late, unanswered
 		r.link.SetLatency(0)
@@ -533,10 +535,7 @@ func TestProbeReconcileMeetsAHang(t *testing.T) {
 		}
 		r = newChargeRig(t, cfg)
 		ctx := context.Background()
-		<-r.lim.warmed
-		if d, err := r.lim.Allow(ctx, "k0"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("first decision: %+v, %v", d, err)
-		}
+		r.decideRemote(t, "k0")
 		r.link.Refuse(true)
 		r.link.Reset()
 		const keys = 1280
@@ -585,10 +584,7 @@ func TestCloseChargesWhatIsOwed(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
 		ctx := context.Background()
-		<-r.lim.warmed
-		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("first decision: %+v, %v", d, err)
-		}
+		r.decideRemote(t, "k")
 		r.link.SetLatency(80 * time.Millisecond)
 		if d, err := r.lim.AllowN(ctx, "k", 5); err != nil || !d.Allowed || d.Mode != ModeLocal {
 			t.Fatalf("AllowN(5) = %+v, %v; want a local admission", d, err)
@@ -626,10 +622,7 @@ func TestSpendingBehindAResentChargeIsCharged(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
 		ctx := context.Background()
-		<-r.lim.warmed
-		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("first decision: %+v, %v", d, err)
-		}
+		r.decideRemote(t, "k")
 		r.link.SetLatency(80 * time.Millisecond)
 		if d, err := r.lim.AllowN(ctx, "k", 3); err != nil || !d.Allowed || d.Mode != ModeLocal {
 			t.Fatalf("AllowN(3) = %+v, %v; want a local admission", d, err)
@@ -670,10 +663,7 @@ func TestPartlyRefundedPendingChargeIsNotChargedTwice(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
 		ctx := context.Background()
-		<-r.lim.warmed
-		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("first decision: %+v, %v", d, err)
-		}
+		r.decideRemote(t, "k")
 		r.link.SetLatency(80 * time.Millisecond)
 		d, err := r.lim.AllowN(ctx, "k", 5)
 		if err != nil || !d.Allowed || d.Mode != ModeLocal {
