@@ -224,8 +224,9 @@ var (
 	// MaxKeyLen, or one holding "{hybridlimit-fleet:", which names the
 	// fleet's heartbeat keys.
 	ErrInvalidKey = errors.New("hybridlimit: invalid key")
-	// ErrInvalidN is returned for n < 1 or, except by AllowAtMost, n > the
-	// key's Limit.Burst.
+	// ErrInvalidN is returned for n < 1, for n > the key's Limit.Burst
+	// (except by AllowAtMost), and by Refund for n above what the
+	// decision granted.
 	ErrInvalidN = errors.New("hybridlimit: invalid n")
 	// ErrInvalidLimit is returned for a Limit that is not positive and
 	// finite, or that the script cannot hold exactly, from SetLimit or

@@ -115,8 +115,11 @@ type Decision struct {
 	Mode Mode
 	// Limit is the limit that applied to the key.
 	Limit Limit
-	// Shadowed reports that the limit denied the decision but Config.Shadow
-	// let it through: Allowed is true, RetryAfter says what a denial would.
+	// Shadowed reports that Config.Shadow let through more than the limit
+	// gave: a denial, or an AllowAtMost granted fewer than the n asked
+	// (Granted is then n). Allowed is true; after a denial, RetryAfter
+	// says what the denial would. Refund gives back at most what the
+	// bucket gave.
 	Shadowed bool
 	// Cached reports a denial answered without a round trip, from what
 	// Redis said of the key less than a second ago (Mode is ModeRemote):
@@ -1041,7 +1044,8 @@ func (lim *Limiter) sweep() {
 // decisions after Close return ErrClosed. A decision in flight may still
 // finish, and Close waits for Redis calls already sent, which the client's
 // own time-outs bound. With a client that bounds no read (ReadTimeout -1
-// or -2, without ContextTimeoutEnabled) it does not wait for those calls:
+// without ContextTimeoutEnabled, or -2 in any case) it does not wait for
+// those calls:
 // the goroutines that sent them return when Redis answers or the client is
 // closed. Before it stops them, it charges Redis, within one Timeout, with
 // what this instance spent locally and still owes, where the key's breaker

@@ -112,7 +112,8 @@ func (lim *Limiter) Peek(ctx context.Context, key string) (Status, error) {
 //
 // Other instances are not told: their cached denials of the key last at
 // most a second (what Redis said of a key answers denials for that long),
-// their leases at most Config.LeaseFor, and a local share started before
+// their leases until Config.LeaseFor after their latest grant (a grant
+// sent while a lease is held joins it), and a local share started before
 // the reset keeps what it held until Redis is back. So within about a
 // second of Reset every instance decides on the full bucket.
 //

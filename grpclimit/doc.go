@@ -25,7 +25,8 @@
 //
 // A unary call takes its rules' Cost once; so does a stream, when it opens
 // (its messages are not limited). The limiter sees the key Name + ":" +
-// key, as with httplimit, so rules may share a Limiter without sharing
+// key, as with httplimit (httplimit.RuleKey: hashed when too long, holding
+// '{' or starting "sha256:"), so rules may share a Limiter without sharing
 // buckets, and a gRPC rule and an httplimit rule with the same Name and
 // Limiter share theirs: a user's HTTP and gRPC calls can draw on one limit.
 //

@@ -51,10 +51,11 @@ const (
 // bucket of Limiter.
 type Rule struct {
 	// Name names the rule's policy in the RateLimit fields and prefixes
-	// its keys: the limiter sees Name + ":" + key, as with httplimit, so
-	// a gRPC rule and an httplimit rule with the same Name and Limiter
-	// share their buckets. Printable ASCII without ':', unique within a
-	// Config. Required.
+	// its keys: the limiter sees httplimit.RuleKey(Name, key), as with
+	// httplimit (Name + ":" + key, hashed when too long, holding '{' or
+	// starting "sha256:"), so a gRPC rule and an httplimit rule with the
+	// same Name and Limiter share their buckets. Printable ASCII without
+	// ':', unique within a Config. Required.
 	Name string
 	// Limiter decides. Required.
 	Limiter *hybridlimit.Limiter

@@ -24,10 +24,11 @@ var ErrInvalidConfig = errors.New("httplimit: invalid config")
 // token bucket of Limiter.
 type Rule struct {
 	// Name names the rule's policy in the RateLimit header fields and
-	// prefixes its keys: the limiter sees Name + ":" + key, so rules that
-	// share a Limiter never share a bucket, and a Config.LimitFor can tell
-	// them apart. Printable ASCII without ':', unique within a Config.
-	// Required.
+	// prefixes its keys: the limiter sees RuleKey(Name, key), Name + ":" +
+	// key (or its SHA-256 for a key too long, holding '{' or starting
+	// "sha256:"), so rules that share a Limiter never share a bucket, and
+	// a Config.LimitFor can tell them apart. Printable ASCII without ':',
+	// unique within a Config. Required.
 	Name string
 	// Limiter decides. Required.
 	Limiter *hybridlimit.Limiter
@@ -82,7 +83,8 @@ type Config struct {
 	// t parameter, not a Unix time.
 	LegacyHeaders bool
 	// Logger receives the errors of rules that could not decide, at
-	// level Error. Nil means slog.Default().
+	// level Error, or Debug for a request whose deadline passed before
+	// its rules decided. Nil means slog.Default().
 	Logger *slog.Logger
 }
 

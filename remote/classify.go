@@ -17,8 +17,9 @@ import (
 // only if they name a server state in which the node cannot decide: LOADING,
 // READONLY, MASTERDOWN, CLUSTERDOWN, OOM, BUSY, TRYAGAIN, NOREPLICAS,
 // MISCONF, a MOVED or ASK that reached the caller, and "max number of
-// clients reached". Any other server error (WRONGTYPE, ERR ..., NOSCRIPT,
-// redis.Nil) means the node is healthy. (Over a Cluster, a MOVED or ASK
+// clients reached", also when Redis 6 wraps one of these in a script's
+// error. Any other server error (WRONGTYPE, ERR ..., NOSCRIPT, redis.Nil)
+// means the node is healthy. (Over a Cluster, a MOVED or ASK
 // means a healthy node that refused the call: ask Redirected first.)
 //
 // Errors the server did not answer with are failures: network errors

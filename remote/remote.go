@@ -242,7 +242,7 @@ func readsUnbounded(c redis.UniversalClient) bool {
 }
 
 // Detach runs f and returns once f has returned, or, if c bounds its
-// reads by nothing (ReadTimeout -1 or -2, without ContextTimeoutEnabled),
+// reads by nothing (ReadTimeout -1 without ContextTimeoutEnabled, or -2),
 // once ctx ends, whichever is first: a call into a Redis that hangs would
 // otherwise hold its caller, whatever ctx says, until Redis answers or the
 // client is closed. It returns nil if f returned (or, ctx having ended
