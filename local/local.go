@@ -87,6 +87,13 @@ type lease struct {
 	lim remote.Limit
 }
 
+// spendable reports whether l's tokens may still be spent at now under
+// lim, the key's limit now: before their end, and under no lower limit
+// than they were granted under.
+func (l lease) spendable(now mono, lim remote.Limit) bool {
+	return now < l.until && !lowered(l.lim, lim)
+}
+
 // lowered reports whether limit to is below limit from, in rate or in
 // burst: tokens leased under from may not be spent under to. Redis's
 // bucket caps its tokens at a lowered burst and refills at a lowered rate;
@@ -468,7 +475,7 @@ func (s *Shares) TakeLease(now time.Time, key string, lim remote.Limit, n int64)
 	switch {
 	case !found:
 		return 0, false
-	case s.mono(now) >= l.until || lowered(l.lim, lim):
+	case !l.spendable(s.mono(now), lim):
 		delete(sh.leases, key)
 		return 0, false
 	case l.tokens < n:
@@ -506,7 +513,7 @@ func (s *Shares) Lease(now time.Time, key string, lim remote.Limit, tokens int64
 		}
 		key = strings.Clone(key)
 		sh.tell()
-	case s.mono(now) < l.until && !lowered(l.lim, lim):
+	case l.spendable(s.mono(now), lim):
 		tokens += l.tokens
 		end = max(end, l.until)
 	}
@@ -520,7 +527,7 @@ func (s *Shares) RefundLease(now time.Time, key string, lim remote.Limit, n int6
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	l, found := sh.leases[key]
-	if !found || s.mono(now) >= l.until || lowered(l.lim, lim) {
+	if !found || !l.spendable(s.mono(now), lim) {
 		return false
 	}
 	l.tokens += n

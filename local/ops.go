@@ -87,7 +87,7 @@ func (s *Shares) TakeLeaseUpTo(now time.Time, key string, lim remote.Limit, n in
 	switch {
 	case !found:
 		return 0, 0
-	case s.mono(now) >= l.until || lowered(l.lim, lim):
+	case !l.spendable(s.mono(now), lim):
 		delete(sh.leases, key)
 		return 0, 0
 	}
@@ -103,7 +103,7 @@ func (s *Shares) Leased(now time.Time, key string, lim remote.Limit) int64 {
 	sh := s.shard(key)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	if l, found := sh.leases[key]; found && s.mono(now) < l.until && !lowered(l.lim, lim) {
+	if l, found := sh.leases[key]; found && l.spendable(s.mono(now), lim) {
 		return l.tokens
 	}
 	return 0
