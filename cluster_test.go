@@ -253,7 +253,10 @@ func TestClusterReshard(t *testing.T) {
 	}
 	for i, lr := range r.logs {
 		for _, rec := range lr.records() {
-			t.Errorf("instance %d logged %v %q %v; want nothing", i, rec.level, rec.msg, rec.attrs)
+			if rec.level < slog.LevelWarn {
+				continue
+			}
+			t.Errorf("instance %d logged %v %q %v; want nothing at Warn or above", i, rec.level, rec.msg, rec.attrs)
 		}
 	}
 }

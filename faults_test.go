@@ -89,6 +89,9 @@ func leakCheck(t *testing.T) {
 
 // logRecorder is an slog.Handler that keeps every record at Warn and above.
 type logRecorder struct {
+	// info keeps Info records too, for a failure's explanation.
+	info bool
+
 	mu   sync.Mutex
 	recs []logRec
 }
@@ -100,9 +103,11 @@ type logRec struct {
 	attrs map[string]string
 }
 
-func (h *logRecorder) Enabled(_ context.Context, l slog.Level) bool { return l >= slog.LevelWarn }
-func (h *logRecorder) WithAttrs([]slog.Attr) slog.Handler           { return h }
-func (h *logRecorder) WithGroup(string) slog.Handler                { return h }
+func (h *logRecorder) Enabled(_ context.Context, l slog.Level) bool {
+	return l >= slog.LevelWarn || h.info && l >= slog.LevelInfo
+}
+func (h *logRecorder) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *logRecorder) WithGroup(string) slog.Handler      { return h }
 
 func (h *logRecorder) Handle(_ context.Context, r slog.Record) error {
 	lr := logRec{at: time.Now(), level: r.Level, msg: r.Message, attrs: map[string]string{}}
@@ -181,7 +186,7 @@ func newRig(t *testing.T, clients []redis.UniversalClient, cfg Config) *rig {
 	for _, c := range clients {
 		cfg := cfg
 		cfg.Redis = c
-		lr := &logRecorder{}
+		lr := &logRecorder{info: true}
 		cfg.Logger = slog.New(lr)
 		r.lims = append(r.lims, newLimiter(t, cfg))
 		r.logs = append(r.logs, lr)
@@ -273,6 +278,36 @@ func (r *rig) checkLatency(max time.Duration) {
 	if over > 0 {
 		r.t.Errorf("%d decisions took longer than %v; the slowest, instance %d at %s (%v), took %v",
 			over, max, worst.inst, r.at(worst.start), worst.Mode, worst.end.Sub(worst.start))
+		r.explain(max)
+	}
+}
+
+// explain logs, for a failed check, the decisions that took longer than
+// max and what each instance logged from a second before the first of
+// them: a latency seen once in a hundred runs is found from this or not
+// at all.
+func (r *rig) explain(max time.Duration) {
+	var first time.Time
+	n := 0
+	for _, d := range r.decisions() {
+		if took := d.end.Sub(d.start); took > max {
+			if first.IsZero() {
+				first = d.start
+			}
+			if n++; n <= 10 {
+				r.t.Logf("slow: instance %d at %s took %v (%v, allowed %v)", d.inst, r.at(d.start), took, d.Mode, d.Allowed)
+			}
+		}
+	}
+	if first.IsZero() {
+		return
+	}
+	for i, lr := range r.logs {
+		for _, rec := range lr.records() {
+			if rec.at.After(first.Add(-time.Second)) {
+				r.t.Logf("instance %d at %s: %s %v", i, r.at(rec.at), rec.msg, rec.attrs)
+			}
+		}
 	}
 }
 
