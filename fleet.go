@@ -243,13 +243,20 @@ func (h *heart) count() {
 }
 
 // mine returns this instance's report in window w (one of the last four),
-// if Redis took it, else -1: it was not counted there, or may not have
-// been.
-func (h *heart) mine(w int64) int64 {
-	if r := h.sent[w%4]; r.window == w && r.taken {
+// if Redis took it into the sum whose mark is sumMark, else -1: it was not
+// counted in that sum, or may not have been.
+func (h *heart) mine(w, sumMark int64) int64 {
+	if r := h.sent[w%4]; r.window == w && r.taken && r.mark == sumMark {
 		return r.tokens
 	}
 	return -1
+}
+
+// taken returns whether Redis took this instance's report in window w, and
+// under which mark.
+func (h *heart) taken(w int64) (bool, int64) {
+	r := h.sent[w%4]
+	return r.window == w && r.taken, r.mark
 }
 
 // beat returns the heartbeat that reports window k: it reads window k-2,
@@ -257,8 +264,10 @@ func (h *heart) mine(w int64) int64 {
 // weigh), with a ticket in each where it was not counted.
 func (h *heart) beat() remote.Beat {
 	before := h.lim.view.Load().known < h.k-3
-	return remote.Beat{Base: h.lim.fleetKey(), Window: h.k, Offered: h.offered,
-		Ticket: h.mine(h.k-2) < 0, Every: h.every, Before: before, BeforeTicket: before && h.mine(h.k-3) < 0}
+	in, mark := h.taken(h.k - 2)
+	bin, bmark := h.taken(h.k - 3)
+	return remote.Beat{Base: h.lim.fleetKey(), Window: h.k, Offered: h.offered, Every: h.every,
+		Ticket: !in, Mark: mark, Before: before, BeforeTicket: before && !bin, BeforeMark: bmark}
 }
 
 // skip says whether the report of window k is not to be sent: the
@@ -274,7 +283,7 @@ func (h *heart) skip() bool {
 // count of the next window.
 func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 	lim := h.lim
-	taken := false
+	taken, mark := false, int64(0)
 	switch {
 	case b == nil:
 	case b.Err != nil:
@@ -293,7 +302,8 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 		// must not mark the window known, or the next heartbeat would not
 		// ask for it as the window before (see weigh).
 		if r := b.Heartbeat.Now / h.every.Milliseconds(); b.Heartbeat.Window <= r-3 && b.Heartbeat.Window >= r-5 {
-			v := weigh(b.Heartbeat, h.mine(h.k-2), h.mine(h.k-3), lim.view.Load())
+			hb := b.Heartbeat
+			v := weigh(hb, h.mine(h.k-2, hb.SumMark), h.mine(h.k-3, hb.Before.SumMark), lim.view.Load())
 			lim.view.Store(v)
 			if lim.cfg.onView != nil {
 				lim.cfg.onView(v)
@@ -301,16 +311,17 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 		}
 		rtt := got.Sub(sent)
 		h.skew = time.UnixMilli(b.Heartbeat.Now).Sub(sent.Add(rtt / 2))
-		taken = b.Heartbeat.Taken
+		taken, mark = b.Heartbeat.Taken, b.Heartbeat.Mark
 	}
-	h.sent[h.k%4] = report{window: h.k, tokens: min(h.offered, remote.MaxReport), taken: taken}
+	h.sent[h.k%4] = report{window: h.k, tokens: min(h.offered, remote.MaxReport), taken: taken, mark: mark}
 	h.nextWindow(got)
 }
 
 // report is one heartbeat's report, as this instance remembers it.
 type report struct {
 	window, tokens int64
-	taken          bool // Redis said it counted it
+	taken          bool  // Redis said it counted it
+	mark           int64 // if taken, the mark of the sum it went into
 }
 
 // pacer runs the hearts of the Limiters that share one Redis client, in

@@ -816,7 +816,7 @@ func (r *simRun) viewed(i int, obs *simObserver, v *fleet) {
 	}
 	r.views[i] = v
 	for _, c := range [2]int64{v.window, v.prior} {
-		if c == 0 || r.lostWindow(c) {
+		if c == 0 {
 			continue
 		}
 		var sum float64
@@ -834,24 +834,6 @@ func (r *simRun) viewed(i int, obs *simObserver, v *fleet) {
 			return
 		}
 	}
-}
-
-// lostWindow reports whether a data loss (a kill: a restart without data;
-// a Cluster takeover) may have hit window c's hash while it was reported
-// for or read: from the window's start until it expires, six windows
-// later, give or take the 3 s a clock jump moves Redis's clock. Reports
-// Redis took before the loss are gone from the sum the readers after it
-// read, so instances that read the window on both sides of it read
-// different sums, which the weight rule cannot bound (docs/design.md).
-func (r *simRun) lostWindow(c int64) bool {
-	every := cmp.Or(r.s.Heartbeat, DefaultHeartbeat).Milliseconds()
-	for _, k := range r.killed {
-		at := r.t0.Add(k.from).UnixMilli()
-		if c*every <= at+3000 && at-3000 < (c+6)*every {
-			return true
-		}
-	}
-	return false
 }
 
 // heartbeatRan records when slot tag's instance first read its fleet: the

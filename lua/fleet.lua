@@ -11,28 +11,42 @@
 -- ARGV[4]  w, the window in milliseconds (the group's Heartbeat)
 -- ARGV[5]  what it asks for, the sum of: 1 a ticket for window i; 2 window
 --          i-1's sum too; 4 a ticket for window i-1 (with 2)
--- ARGV[6]  optional: Redis's clock in microseconds, read by the client
+-- ARGV[6]  the mark its report in window i was taken under (0 if none)
+-- ARGV[7]  the same for window i-1
+-- ARGV[8]  optional: Redis's clock in microseconds, read by the client
 --          outside the script, for a Redis that refuses TIME in scripts
 --
 -- Redis is in window r. A report for window j is taken while r is j, j+1
 -- or j+2 (a heartbeat may come up to a window late), and added to '#t',
--- which packs the tokens reported and, in its low 20 bits, the instances
--- that reported. Each instance sends one report per window and remembers
--- the ones taken. Window i is read only once no report can change it
--- (i <= r-3), so every instance that reads a window reads the same sum:
--- the parts computed from it add up to at most 1. An instance that was
--- not counted in the window it reads (it has just started, or its report
--- was lost) takes a ticket '#c' instead, which gives it a part of a
--- reserve (see fleet.go). An instance that did not read window i-1 (its
--- heartbeat failed, or its breaker was open) asks for that window too:
--- each instance holds the lesser of its parts in two windows read in a
--- row, so that the parts held while some have read window i and others
+-- which packs, from the top, the window's mark (10 bits), the tokens
+-- reported (33 bits) and the instances that reported (20 bits). Each
+-- instance sends one report per window and remembers the ones taken, and
+-- the mark each was taken under. Window i is read only once no report can
+-- change it (i <= r-3), so every instance that reads a window reads the
+-- same sum: the parts computed from it add up to at most 1. An instance
+-- that was not counted in the window it reads (it has just started, or
+-- its report was lost) takes a ticket '#c' instead, which gives it a part
+-- of a reserve (see fleet.go). An instance that did not read window i-1
+-- (its heartbeat failed, or its breaker was open) asks for that window
+-- too: each instance holds the lesser of its parts in two windows read in
+-- a row, so that the parts held while some have read window i and others
 -- only i-1 add up to at most 1 (see weigh in fleet.go).
+--
+-- The mark tells a report lost from a report counted. The window's first
+-- report draws it (1 to 1023, from the clock's milliseconds) and adds it
+-- to '#t', so that every later report's HINCRBY returns it. If Redis
+-- loses the hash (a restart without data) while the window is reported
+-- for, the first report after the loss draws another: an instance whose
+-- report went into the lost hash then reads a mark other than its own,
+-- and takes a ticket, as one never counted; without the mark it would
+-- take its part of a sum that does not hold its report.
 --
 -- The script runs on the one shard every instance of the group shares, so
 -- it does as little as it can: TIME, one HINCRBY and one HGET whatever the
--- fleet's size, the packed numbers passed through as strings. Its reply:
---   {now_ms, taken (1 or 0), sum ('#t' of window i, or 0), ticket (or 0)}
+-- fleet's size (and one more HINCRBY for a window's first report), the
+-- packed numbers passed through as strings. Its reply:
+--   {now_ms, taken (0, or 1 + the mark it was taken under),
+--    sum ('#t' of window i, or 0), ticket (or 0)}
 -- and, if window i-1 was asked for, window i is closed and window i-1's
 -- hash cannot have expired (i >= r-4), two more:
 --   {..., sum of window i-1 (or 0: nobody reported for it), its ticket}
@@ -43,15 +57,15 @@
 -- The report is checked by HINCRBY (an integer, or an error before any
 -- write); the windows here.
 local j, i, w = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local want = tonumber(ARGV[5])
-if not (j and i and w and want) or j % 1 ~= 0 or i % 1 ~= 0 or w < 1 or w % 1 ~= 0
+local want, mi, mb = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+if not (j and i and w and want and mi and mb) or j % 1 ~= 0 or i % 1 ~= 0 or w < 1 or w % 1 ~= 0
     or want % 1 ~= 0 or want < 0 or want > 7 or (want >= 2 and not KEYS[3]) then
   return redis.error_reply('ERR hybridlimit fleet: bad arguments')
 end
 
 local now
-if ARGV[6] then
-  local us = tonumber(ARGV[6])
+if ARGV[8] then
+  local us = tonumber(ARGV[8])
   if not us or us < 0 then
     return redis.error_reply('ERR hybridlimit fleet: bad time')
   end
@@ -62,28 +76,44 @@ else
 end
 local r = math.floor(now / w)
 
+-- A sum's mark, from the top bits: exact whatever the double's rounding
+-- of the bits below, short of a sum within 2^-11 of its tokens' limit.
+local top = 2 ^ 53
+local function mark(sum)
+  return math.floor(tonumber(sum) / top)
+end
+
 local taken = 0
 if j >= r - 2 and j <= r then
-  -- An overflow (2^43 tokens) is an error, and nothing is written.
+  local add = tonumber(ARGV[2])
   local sum = redis.call('HINCRBY', KEYS[1], '#t', ARGV[2])
-  taken = 1
-  if sum == tonumber(ARGV[2]) then
+  if sum == add then
     -- The first report: window j is read, as window i or i-1, until
-    -- window j+5 ends.
+    -- window j+5 ends; its mark goes in with it.
+    local m = now % 1023 + 1
+    redis.call('HINCRBY', KEYS[1], '#t', string.format('%.0f', m * top))
     redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', (j + 6) * w))
+    taken = 1 + m
+  elseif mark(sum) ~= mark(sum - add) then
+    -- The tokens overflowed into the mark (2^33 in a window): the
+    -- report is taken back, as the HINCRBY of a sum past 2^63 refuses
+    -- it. Either way nothing of it stays.
+    redis.call('HINCRBY', KEYS[1], '#t', '-' .. ARGV[2])
+  else
+    taken = 1 + mark(sum)
   end
 end
 
 if i <= r - 3 then
   local sum = redis.call('HGET', KEYS[2], '#t')
   local ticket = 0
-  if sum and want % 2 == 1 then
+  if sum and (want % 2 == 1 or mark(sum) ~= mi) then
     ticket = redis.call('HINCRBY', KEYS[2], '#c', 1)
   end
   if want % 4 >= 2 and i >= r - 4 then
     local before = redis.call('HGET', KEYS[3], '#t')
     local bticket = 0
-    if before and want >= 4 then
+    if before and (want >= 4 or mark(before) ~= mb) then
       bticket = redis.call('HINCRBY', KEYS[3], '#c', 1)
     end
     return {now, taken, sum or 0, ticket, before or 0, bticket}

@@ -25,8 +25,10 @@ type Heartbeat struct {
 	Window    int64 // the window read
 	Now       int64 // Redis TIME, in milliseconds
 	Taken     bool  // the report was counted in its window
+	Mark      int64 // if Taken, the mark of the sum it went into (see Reading.SumMark)
 	Reporters int64 // instances that reported for Window; 0: none, or not closed yet
 	Total     int64 // tokens they reported, in all
+	SumMark   int64 // the mark of Window's sum (see Reading.SumMark)
 	Ticket    int64 // if asked for and Reporters > 0: its place among those not counted
 	// Before is window Window-1, if the Beat asked for it and Window was
 	// closed: an instance that did not read that window when its turn
@@ -39,40 +41,38 @@ type Reading struct {
 	Read      bool  // Redis read the window (Redis was no more than a window late for it)
 	Reporters int64 // instances that reported for it; 0: none
 	Total     int64 // tokens they reported, in all
-	Ticket    int64 // if asked for and Reporters > 0: its place among those not counted
+	// SumMark is the mark of the window's sum, drawn by its first report
+	// (1 to 1023; 0 in a sum begun by a version of this package without
+	// marks). A report was counted in the sum read only if it was taken
+	// under the same mark: if Redis lost the window's hash after the
+	// report, the first report after the loss drew another.
+	SumMark int64
+	Ticket  int64 // if asked for and Reporters > 0: its place among those not counted
 }
 
 // A report is packed as tokens<<reporterBits | 1, so that one HINCRBY
-// adds both the tokens and the instance to the window's sum. The tokens
-// of one report are capped at MaxReport; the sum holds up to 2^43 tokens
-// (beyond, HINCRBY fails and nothing is written) from up to 2^20-1
-// instances.
+// adds both the tokens and the instance to the window's sum; the window's
+// first report adds the sum's mark above them, at markShift. The tokens of
+// one report are capped at MaxReport; the sum holds up to 2^33-1 tokens
+// (a report that would take it further is not taken, and nothing of it is
+// written) from up to 2^20-1 instances.
 const (
 	reporterBits = 20
+	markShift    = 53
 	// MaxReport is the most tokens one report counts.
 	MaxReport = 1<<32 - 1
 )
 
-// Fleet sends one heartbeat: offered is what this instance counted in
-// window of Redis TIME (windows of every, whole milliseconds, the same for
-// the whole group, and one report per window), and Redis takes it while
-// it is in that window or one of the next two. It reads window-2, which is
-// closed once Redis is in window+1, the time to send this report when on
-// time; ticket asks for a ticket, for an instance not counted in it.
-// Window w's hash is named base+":"+w; base must carry a hash tag, so that
-// a call's keys share a Cluster slot. Redis's cost and the reply's size do
-// not depend on the fleet's size. Like Take, the call is never retried but
-// for NOSCRIPT, which proves it did not run: a report is never counted
-// twice. Fleet waits as long as the client does: call it from a goroutine
-// that may wait.
-func Fleet(ctx context.Context, c redis.UniversalClient, base string, window, offered int64, ticket bool, every time.Duration) (Heartbeat, error) {
-	b := []Beat{{Base: base, Window: window, Offered: offered, Ticket: ticket, Every: every}}
-	Beats(ctx, c, nil, b)
-	return b[0].Heartbeat, b[0].Err
-}
-
-// Beat is one heartbeat of Beats: the arguments of Fleet, and what came
-// of it.
+// Beat is one heartbeat of Beats, and what came of it. Offered is what
+// this instance counted in Window of Redis TIME (windows of Every, whole
+// milliseconds, the same for the whole group, and one report per window),
+// and Redis takes it while it is in that window or one of the next two.
+// The heartbeat reads Window-2, which is closed once Redis is in Window+1,
+// the time to send this report when on time; Ticket asks for a ticket,
+// for an instance not counted in it. Window w's hash is named
+// Base+":"+w; Base must carry a hash tag, so that a call's keys share a
+// Cluster slot. Redis's cost and the reply's size do not depend on the
+// fleet's size.
 type Beat struct {
 	Base    string
 	Window  int64
@@ -82,8 +82,13 @@ type Beat struct {
 	// Before asks for window Window-3 too (Heartbeat.Before), and
 	// BeforeTicket for a ticket in it.
 	Before, BeforeTicket bool
-	Heartbeat            Heartbeat // set by Beats if Err is nil
-	Err                  error
+	// Mark and BeforeMark are the marks (Heartbeat.Mark) this instance's
+	// reports in the windows read were taken under, where they were: an
+	// instance that was counted in a window is given a ticket there
+	// anyway if the window's sum has another mark now.
+	Mark, BeforeMark int64
+	Heartbeat        Heartbeat // set by Beats if Err is nil
+	Err              error
 }
 
 // Beats sends every heartbeat of beats as Fleet would, in one pipeline:
@@ -168,7 +173,7 @@ func beatsNow(ctx context.Context, c redis.UniversalClient, n *Node, beats []Bea
 }
 
 // beatCmd returns the call of b by v; unless now is 0, it passes now
-// (Redis's clock, in microseconds) as ARGV[6].
+// (Redis's clock, in microseconds) as ARGV[8].
 func beatCmd(ctx context.Context, b *Beat, v verb, now int64) noRetryCmd {
 	read := b.Window - 2
 	report := min(max(b.Offered, 0), MaxReport)<<reporterBits | 1
@@ -191,7 +196,8 @@ func beatCmd(ctx context.Context, b *Beat, v verb, now int64) noRetryCmd {
 		args = append(args, b.Base+":"+strconv.FormatInt(read-1, 10))
 	}
 	args = append(args, strconv.FormatInt(b.Window, 10), strconv.FormatInt(report, 10),
-		strconv.FormatInt(read, 10), strconv.FormatInt(b.Every.Milliseconds(), 10), strconv.Itoa(want))
+		strconv.FormatInt(read, 10), strconv.FormatInt(b.Every.Milliseconds(), 10), strconv.Itoa(want),
+		strconv.FormatInt(b.Mark, 10), strconv.FormatInt(b.BeforeMark, 10))
 	if now != 0 {
 		args = append(args, formatMicros(now))
 	}
@@ -208,10 +214,11 @@ func parseHeartbeat(reply any) (Heartbeat, error) {
 	now, ok1 := vals[0].(int64)
 	taken, ok2 := vals[1].(int64)
 	r, ok3 := parseReading(vals[2], vals[3])
-	if !ok1 || !ok2 || !ok3 || now <= 0 || taken != 0 && taken != 1 {
+	if !ok1 || !ok2 || !ok3 || now <= 0 || taken < 0 || taken > maxMark+1 {
 		return Heartbeat{}, fmt.Errorf("%w: fleet reply %v", ErrReply, vals)
 	}
-	h := Heartbeat{Now: now, Taken: taken == 1, Reporters: r.Reporters, Total: r.Total, Ticket: r.Ticket}
+	h := Heartbeat{Now: now, Taken: taken > 0, Mark: max(taken-1, 0),
+		Reporters: r.Reporters, Total: r.Total, SumMark: r.SumMark, Ticket: r.Ticket}
 	if len(vals) == 6 {
 		if h.Before, ok = parseReading(vals[4], vals[5]); !ok {
 			return Heartbeat{}, fmt.Errorf("%w: fleet reply %v", ErrReply, vals)
@@ -238,8 +245,12 @@ func parseReading(s, t any) (Reading, bool) {
 	if !ok || ticket < 0 || sum == 0 && ticket != 0 {
 		return Reading{}, false
 	}
-	return Reading{Read: true, Reporters: sum & (1<<reporterBits - 1), Total: sum >> reporterBits, Ticket: ticket}, true
+	return Reading{Read: true, Reporters: sum & (1<<reporterBits - 1), Total: (sum & (1<<markShift - 1)) >> reporterBits,
+		SumMark: sum >> markShift, Ticket: ticket}, true
 }
+
+// maxMark is the largest mark a window's first report draws.
+const maxMark = 1023
 
 // Load loads every script of this package into the script cache of c's
 // node, and on Redis 7 and later the function library too, so that the

@@ -68,11 +68,21 @@ func BenchmarkFleetRedis(b *testing.B) {
 			// One Node for the client, as the pacer keeps: its one check
 			// for functions is made before the clock starts.
 			var node Node
+			// The mark of each window's sum, as the members' reports were
+			// taken under it: a member counted in the window it reads
+			// says so, and takes no ticket.
+			marks := map[int64]int64{}
 			beat := func(window, offered int64, ticket bool) Heartbeat {
 				bs := []Beat{{Base: "{bench}", Window: window, Offered: offered, Ticket: ticket, Every: every}}
+				if !ticket {
+					bs[0].Mark = marks[window-2]
+				}
 				Beats(ctx, c, &node, bs)
 				if bs[0].Err != nil {
 					b.Fatal(bs[0].Err)
+				}
+				if h := bs[0].Heartbeat; h.Taken {
+					marks[window] = h.Mark
 				}
 				return bs[0].Heartbeat
 			}

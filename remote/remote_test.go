@@ -389,23 +389,47 @@ func TestFleet(t *testing.T) {
 	at := func(window int64, at time.Duration) {
 		m.SetTime(time.UnixMilli(window * 1000).Add(at))
 	}
-	// beat reports for window and reads window-2.
+	// marks holds the mark of each window's sum, as its reports were
+	// taken under it.
+	marks := map[int64]int64{}
+	// beat reports for window and reads window-2, as an instance whose
+	// report there was counted, unless ticket.
 	beat := func(window, offered int64, ticket bool) Heartbeat {
 		t.Helper()
-		h, err := Fleet(ctx, c, "{fleet}", window, offered, ticket, every)
+		b := []Beat{{Base: "{fleet}", Window: window, Offered: offered, Ticket: ticket, Every: every}}
+		if !ticket {
+			b[0].Mark = marks[window-2]
+		}
+		Beats(ctx, c, nil, b)
+		h, err := b[0].Heartbeat, b[0].Err
 		if err != nil {
-			t.Fatalf("Fleet(%d, %d, %v) = %v", window, offered, ticket, err)
+			t.Fatalf("Beats(%d, %d, %v) = %v", window, offered, ticket, err)
 		}
 		if h.Window != window-2 {
-			t.Errorf("Fleet(%d) read window %d; want %d", window, h.Window, window-2)
+			t.Errorf("Beats(%d) read window %d; want %d", window, h.Window, window-2)
+		}
+		if h.Taken {
+			if m, ok := marks[window]; ok && m != h.Mark {
+				t.Errorf("report for window %d taken under mark %d; the window's earlier reports under %d", window, h.Mark, m)
+			}
+			marks[window] = h.Mark
 		}
 		return h
 	}
 	check := func(what string, got, want Heartbeat) {
 		t.Helper()
-		want.Now, want.Window = got.Now, got.Window
+		if got.Taken && (got.Mark < 1 || got.Mark > 1023) {
+			t.Errorf("%s: report taken under mark %d; want 1 to 1023", what, got.Mark)
+		}
+		if got.Reporters > 0 && got.SumMark != marks[got.Window] {
+			t.Errorf("%s: window %d's sum read with mark %d; its reports were taken under %d", what, got.Window, got.SumMark, marks[got.Window])
+		}
+		if got.Before.Reporters > 0 && got.Before.SumMark != marks[got.Window-1] {
+			t.Errorf("%s: window %d's sum read with mark %d; its reports were taken under %d", what, got.Window-1, got.Before.SumMark, marks[got.Window-1])
+		}
+		want.Now, want.Window, want.Mark, want.SumMark, want.Before.SumMark = got.Now, got.Window, got.Mark, got.SumMark, got.Before.SumMark
 		if got != want {
-			t.Errorf("%s: Fleet = %+v; want %+v", what, got, want)
+			t.Errorf("%s: Beats = %+v; want %+v", what, got, want)
 		}
 	}
 	// Reports for window k: early (during k), on time, late.
@@ -441,6 +465,12 @@ func TestFleet(t *testing.T) {
 	before := func(window int64, ticket, beforeTicket bool) Heartbeat {
 		t.Helper()
 		b := []Beat{{Base: "{fleet}", Window: window, Offered: 7, Ticket: ticket, Every: every, Before: true, BeforeTicket: beforeTicket}}
+		if !ticket {
+			b[0].Mark = marks[window-2]
+		}
+		if !beforeTicket {
+			b[0].BeforeMark = marks[window-3]
+		}
 		Beats(ctx, c, nil, b)
 		if b[0].Err != nil {
 			t.Fatalf("Beats(window %d, before) = %v", window, b[0].Err)
@@ -462,10 +492,41 @@ func TestFleet(t *testing.T) {
 		Heartbeat{Taken: true, Reporters: 2, Total: 8, Before: Reading{Read: true, Reporters: 3, Total: 1000}})
 	at(k+8, 10*time.Millisecond)
 	check("k+3, k+2 too late", before(k+5, false, false), Heartbeat{Reporters: 2, Total: 8})
+
+	// Redis loses window k+9's hash (a restart without its data) between
+	// two instances' reports: the first report after the loss draws
+	// another mark, and the instance whose report was lost, reading a
+	// mark not its own, gets a ticket, as one never counted, where it
+	// would have taken 40/60 of the limit from a sum without its report.
+	one := func(window, offered, mark int64) Heartbeat {
+		t.Helper()
+		b := []Beat{{Base: "{fleet}", Window: window, Offered: offered, Mark: mark, Every: every}}
+		Beats(ctx, c, nil, b)
+		if b[0].Err != nil {
+			t.Fatalf("Beats(%d) = %v", window, b[0].Err)
+		}
+		return b[0].Heartbeat
+	}
+	at(k+9, 100*time.Millisecond)
+	a := one(k+9, 40, 0)
+	m.Del("{fleet}:" + strconv.FormatInt(k+9, 10))
+	at(k+9, 400*time.Millisecond)
+	b := one(k+9, 60, 0)
+	if !a.Taken || !b.Taken || a.Mark == b.Mark {
+		t.Fatalf("reports on either side of the loss: %+v and %+v; want both taken, under different marks", a, b)
+	}
+	at(k+12, 100*time.Millisecond)
+	if h := one(k+11, 1, a.Mark); h.Reporters != 1 || h.Total != 60 || h.SumMark != b.Mark || h.Ticket != 1 {
+		t.Errorf("the lost report's instance reads %+v; want the sum of the report after the loss, its mark %d, and ticket 1", h, b.Mark)
+	}
+	if h := one(k+11, 1, b.Mark); h.Reporters != 1 || h.Total != 60 || h.SumMark != b.Mark || h.Ticket != 0 {
+		t.Errorf("the counted instance reads %+v; want the same sum and no ticket", h)
+	}
 }
 
-// TestFleetOverflow: on redis-server, a sum that would overflow is an
-// error and writes nothing: the window holds exactly the reports taken.
+// TestFleetOverflow: on redis-server, a report that would take the sum's
+// tokens past 2^33-1 is not taken and leaves nothing: the window holds
+// exactly the reports taken, under its mark.
 func TestFleetOverflow(t *testing.T) {
 	srv := redistest.Start(t)
 	c := srv.Client(t)
@@ -478,7 +539,8 @@ func TestFleetOverflow(t *testing.T) {
 	k := now.UnixMilli() / every.Milliseconds()
 	var taken int64
 	for range 3000 {
-		if h, err := Fleet(ctx, c, "{big}", k, MaxReport, false, every); err == nil && h.Taken {
+		b := []Beat{{Base: "{big}", Window: k, Offered: MaxReport, Every: every}}
+		if Beats(ctx, c, nil, b); b[0].Err == nil && b[0].Heartbeat.Taken {
 			taken++
 		}
 	}
@@ -486,7 +548,7 @@ func TestFleetOverflow(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if taken == 3000 || sum != taken*(MaxReport<<reporterBits|1) {
+	if taken == 3000 || sum&(1<<markShift-1) != taken*(MaxReport<<reporterBits|1) || sum>>markShift < 1 || sum>>markShift > maxMark {
 		t.Errorf("%d of 3000 reports taken, sum %d; want the overflow refused and every one taken counted", taken, sum)
 	}
 }

@@ -133,6 +133,10 @@ func TestParseHeartbeat(t *testing.T) {
 		{[]any{now, int64(1), sum(100, 3), int64(0)}, Heartbeat{Now: now, Taken: true, Reporters: 3, Total: 100}},
 		{[]any{now, int64(1), sum(0, 3), int64(0)}, Heartbeat{Now: now, Taken: true, Reporters: 3}},
 		{[]any{now, int64(0), sum(100, 3), int64(2)}, Heartbeat{Now: now, Reporters: 3, Total: 100, Ticket: 2}},
+		// Marks: the report's (taken 1 + its mark), the sums' (the top bits).
+		{[]any{now, int64(1024), strconv.FormatInt(1023<<53|100<<20|3, 10), int64(0), strconv.FormatInt(7<<53|(1<<33-1)<<20|2, 10), int64(0)},
+			Heartbeat{Now: now, Taken: true, Mark: 1023, Reporters: 3, Total: 100, SumMark: 1023,
+				Before: Reading{Read: true, Reporters: 2, Total: 1<<33 - 1, SumMark: 7}}},
 		// With the window before.
 		{[]any{now, int64(1), sum(100, 3), int64(0), sum(50, 2), int64(1)},
 			Heartbeat{Now: now, Taken: true, Reporters: 3, Total: 100, Before: Reading{Read: true, Reporters: 2, Total: 50, Ticket: 1}}},
@@ -150,7 +154,8 @@ func TestParseHeartbeat(t *testing.T) {
 		[]any{now, int64(0), int64(0), "0"},
 		[]any{"1", int64(0), int64(0), int64(0)},
 		[]any{int64(0), int64(0), int64(0), int64(0)},       // no time
-		[]any{now, int64(2), int64(0), int64(0)},            // taken twice
+		[]any{now, int64(1025), int64(0), int64(0)},         // a mark past 1023
+		[]any{now, int64(-1), int64(0), int64(0)},           // taken less than not
 		[]any{now, int64(0), "x", int64(0)},                 // not a number
 		[]any{now, int64(0), "-5", int64(0)},                // negative
 		[]any{now, int64(0), sum(10, 0), int64(0)},          // tokens from nobody

@@ -62,7 +62,7 @@ func (h *NoScriptTime) ProcessPipelineHook(next redis.ProcessPipelineHook) redis
 
 // refuse answers cmd with the refusal if it is a script call that reads
 // TIME: the bucket with fewer than 7 arguments, the heartbeat with fewer
-// than 6.
+// than 8.
 func (h *NoScriptTime) refuse(cmd redis.Cmder) bool {
 	args := cmd.Args()
 	switch strings.ToLower(fmt.Sprint(args[0])) {
@@ -78,7 +78,7 @@ func (h *NoScriptTime) refuse(cmd redis.Cmder) bool {
 		return false
 	}
 	id := fmt.Sprint(args[1])
-	need := 6 // the heartbeat
+	need := 8 // the heartbeat
 	if id == bucketSHA || id == lua.TokenBucket || strings.HasSuffix(id, "_take") {
 		need = 7
 	}

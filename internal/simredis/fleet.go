@@ -12,20 +12,22 @@ import (
 // arguments and the reply. Numbers are float64, as Lua's are. fleet
 // requires that s.mu is held.
 func (s *Server) fleet(at time.Time, report, read, before string, argv []string) any {
-	if len(argv) < 5 {
+	if len(argv) < 7 {
 		return rerror("ERR Error running script: ARGV missing")
 	}
 	j, ok1 := number(argv[0])
 	i, ok2 := number(argv[2])
 	w, ok3 := number(argv[3])
 	want, ok4 := number(argv[4])
-	if !ok1 || !ok2 || !ok3 || !ok4 || math.Mod(j, 1) != 0 || math.Mod(i, 1) != 0 || w < 1 || math.Mod(w, 1) != 0 ||
+	mi, ok5 := number(argv[5])
+	mb, ok6 := number(argv[6])
+	if !ok1 || !ok2 || !ok3 || !ok4 || !ok5 || !ok6 || math.Mod(j, 1) != 0 || math.Mod(i, 1) != 0 || w < 1 || math.Mod(w, 1) != 0 ||
 		math.Mod(want, 1) != 0 || want < 0 || want > 7 || want >= 2 && before == "" {
 		return rerror("ERR hybridlimit fleet: bad arguments")
 	}
 	var now float64
-	if len(argv) >= 6 {
-		us, ok := number(argv[5])
+	if len(argv) >= 8 {
+		us, ok := number(argv[7])
 		if !ok || us < 0 {
 			return rerror("ERR hybridlimit fleet: bad time")
 		}
@@ -47,8 +49,10 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 			return e
 		}
 		sum := hincrby(v, "#t", add)
-		taken = 1
-		if sum == add {
+		switch {
+		case sum == add:
+			m := math.Mod(now, 1023) + 1
+			hincrby(v, "#t", int64(m*markTop))
 			v.expire = time.UnixMilli(int64((j + 6) * w))
 			if !v.expire.After(time.UnixMilli(at.UnixMilli())) {
 				// PEXPIREAT at or before the server's clock (a window
@@ -57,6 +61,11 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 				// only once the clock is after it.
 				delete(s.data, report)
 			}
+			taken = 1 + int64(m)
+		case markOf(float64(sum)) != markOf(float64(sum)-float64(add)):
+			hincrby(v, "#t", -add)
+		default:
+			taken = 1 + int64(markOf(float64(sum)))
 		}
 		s.replicate(report)
 	}
@@ -67,7 +76,7 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 		}
 		sum, ok := hget(v, "#t")
 		ticket := int64(0)
-		if ok && math.Mod(want, 2) == 1 {
+		if ok && (math.Mod(want, 2) == 1 || markOfString(sum) != mi) {
 			ticket = hincrby(v, "#c", 1)
 			s.replicate(read)
 		}
@@ -78,7 +87,7 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 			}
 			bsum, bok := hget(b, "#t")
 			bticket := int64(0)
-			if bok && want >= 4 {
+			if bok && (want >= 4 || markOfString(bsum) != mb) {
 				bticket = hincrby(b, "#c", 1)
 				s.replicate(before)
 			}
@@ -89,6 +98,19 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 		}
 	}
 	return []any{int64(now), taken, int64(0), int64(0)}
+}
+
+// markTop is 2^53, the script's top: a sum's mark is the part of it above.
+const markTop = 1 << 53
+
+// markOf is the script's mark(sum) of a sum Lua holds as a double.
+func markOf(sum float64) float64 { return math.Floor(sum / markTop) }
+
+// markOfString is mark(sum) of a sum read as a string, which tonumber
+// turns into a double.
+func markOfString(sum string) float64 {
+	f, _ := strconv.ParseFloat(sum, 64)
+	return markOf(f)
 }
 
 // orZero is a field's value as a script returns `HGET(...) or 0`.

@@ -178,7 +178,7 @@ func plant(t *testing.T, c *redis.Client, m *Server, key string, raw []byte) {
 
 // TestFleetModelMatchesRedis runs random heartbeats of lua/fleet.lua on a
 // real redis-server and the same on the model, at the time the real script
-// read (TIME, or the client's clock passed as ARGV[6]), and wants the same
+// read (TIME, or the client's clock passed as ARGV[8]), and wants the same
 // reply, the same hashes and the same expiry (to the slack of the real
 // clock between the call and PEXPIRETIME's reading).
 func TestFleetModelMatchesRedis(t *testing.T) {
@@ -192,6 +192,7 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	const tag = "{sim:f}:"
 	var befores, sums, refused int // replies with window i-1's reading, with its sum; calls refused
+	var marked, kept int           // counted instances given a ticket for a sum of another mark; not given one
 	for i := range 3000 {
 		w := []int64{50, 200, 1000}[rng.IntN(3)]
 		now := time.Now()
@@ -210,7 +211,21 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 		if want >= 2 && rng.IntN(10) > 0 || want < 2 && rng.IntN(4) == 0 {
 			keys = append(keys, tag+strconv.FormatInt(rd-1, 10))
 		}
-		argv := []string{strconv.FormatInt(j, 10), strconv.FormatInt(report, 10), strconv.FormatInt(rd, 10), strconv.FormatInt(w, 10), strconv.Itoa(want)}
+		// The marks this instance's reports were taken under: random
+		// ones mostly differ from the sums', and then get a ticket.
+		marks := [2]int64{}
+		for k, rw := range []int64{rd, rd - 1} {
+			switch rng.IntN(3) {
+			case 0:
+				marks[k] = rng.Int64N(1024)
+			case 1: // the sum's own
+				if sum, err := c.HGet(ctx, tag+strconv.FormatInt(rw, 10), "#t").Int64(); err == nil {
+					marks[k] = sum >> 53
+				}
+			}
+		}
+		argv := []string{strconv.FormatInt(j, 10), strconv.FormatInt(report, 10), strconv.FormatInt(rd, 10), strconv.FormatInt(w, 10), strconv.Itoa(want),
+			strconv.FormatInt(marks[0], 10), strconv.FormatInt(marks[1], 10)}
 		if passed {
 			argv = append(argv, strconv.FormatInt(now.UnixMicro(), 10))
 		}
@@ -247,6 +262,13 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 			befores++
 			if vals[4] != int64(0) {
 				sums++
+			}
+		}
+		if want%2 == 0 && vals[2] != int64(0) {
+			if vals[3] != int64(0) {
+				marked++
+			} else {
+				kept++
 			}
 		}
 		at := time.UnixMilli(clock.Val().UnixMilli())
@@ -306,6 +328,9 @@ func TestFleetModelMatchesRedis(t *testing.T) {
 	if befores < 100 || sums < 50 || refused < 20 {
 		t.Errorf("%d replies read window i-1, %d of them with a sum, %d calls refused; want at least 100, 50 and 20", befores, sums, refused)
 	}
+	if marked < 50 || kept < 50 {
+		t.Errorf("of the counted instances' reads, %d got a ticket (a sum of another mark) and %d none; want at least 50 each", marked, kept)
+	}
 }
 
 // TestFleetExpiryAtNow: a window's first report whose expiry, (j+6)×w, is
@@ -317,13 +342,13 @@ func TestFleetExpiryAtNow(t *testing.T) {
 	m := New()
 	const w, j = 50, 100
 	at := time.UnixMilli((j + 6) * w) // the server's clock
-	client := time.UnixMilli(j * w)   // the client's, passed as ARGV[6]
-	argv := []string{"100", strconv.FormatInt(1<<20+1, 10), "90", "50", "0", strconv.FormatInt(client.UnixMicro(), 10)}
+	client := time.UnixMilli(j * w)   // the client's, passed as ARGV[8]
+	argv := []string{"100", strconv.FormatInt(1<<20+1, 10), "90", "50", "0", "0", "0", strconv.FormatInt(client.UnixMicro(), 10)}
 	m.mu.Lock()
 	reply := m.fleet(at, "{f}:100", "{f}:90", "", argv)
 	v := m.get(at, "{f}:100")
 	m.mu.Unlock()
-	if vals, _ := reply.([]any); len(vals) != 4 || vals[1] != int64(1) {
+	if vals, _ := reply.([]any); len(vals) != 4 || vals[1] == int64(0) {
 		t.Fatalf("reply %v; want the report taken", reply)
 	}
 	if v != nil {
