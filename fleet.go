@@ -243,10 +243,10 @@ func (h *heart) count() {
 }
 
 // mine returns this instance's report in window w (one of the last four),
-// if Redis took it into the sum whose mark is sumMark, else -1: it was not
-// counted in that sum, or may not have been.
-func (h *heart) mine(w, sumMark int64) int64 {
-	if r := h.sent[w%4]; r.window == w && r.taken && r.mark == sumMark {
+// if Redis took it, else -1: it was not counted there, or may not have
+// been.
+func (h *heart) mine(w int64) int64 {
+	if r := h.sent[w%4]; r.window == w && r.taken {
 		return r.tokens
 	}
 	return -1
@@ -302,8 +302,17 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 		// must not mark the window known, or the next heartbeat would not
 		// ask for it as the window before (see weigh).
 		if r := b.Heartbeat.Now / h.every.Milliseconds(); b.Heartbeat.Window <= r-3 && b.Heartbeat.Window >= r-5 {
-			hb := b.Heartbeat
-			v := weigh(hb, h.mine(h.k-2, hb.SumMark), h.mine(h.k-3, hb.Before.SumMark), lim.view.Load())
+			// A ticket it did not ask for says that its report went
+			// into a hash Redis lost since (remote.Beat.Mark): the sum
+			// read does not hold it.
+			mine, before := h.mine(h.k-2), h.mine(h.k-3)
+			if b.Heartbeat.Ticket > 0 {
+				mine = -1
+			}
+			if b.Heartbeat.Before.Ticket > 0 {
+				before = -1
+			}
+			v := weigh(b.Heartbeat, mine, before, lim.view.Load())
 			lim.view.Store(v)
 			if lim.cfg.onView != nil {
 				lim.cfg.onView(v)

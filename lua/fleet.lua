@@ -18,33 +18,33 @@
 --
 -- Redis is in window r. A report for window j is taken while r is j, j+1
 -- or j+2 (a heartbeat may come up to a window late), and added to '#t',
--- which packs, from the top, the window's mark (10 bits), the tokens
--- reported (33 bits) and the instances that reported (20 bits). Each
--- instance sends one report per window and remembers the ones taken, and
--- the mark each was taken under. Window i is read only once no report can
--- change it (i <= r-3), so every instance that reads a window reads the
--- same sum: the parts computed from it add up to at most 1. An instance
--- that was not counted in the window it reads (it has just started, or
--- its report was lost) takes a ticket '#c' instead, which gives it a part
--- of a reserve (see fleet.go). An instance that did not read window i-1
--- (its heartbeat failed, or its breaker was open) asks for that window
--- too: each instance holds the lesser of its parts in two windows read in
--- a row, so that the parts held while some have read window i and others
--- only i-1 add up to at most 1 (see weigh in fleet.go).
+-- which packs the tokens reported and, in its low 20 bits, the instances
+-- that reported. Each instance sends one report per window and remembers
+-- the ones taken, and the mark '#m' of the hash each went into. Window i
+-- is read only once no report can change it (i <= r-3), so every instance
+-- that reads a window reads the same sum: the parts computed from it add
+-- up to at most 1. An instance that was not counted in the window it
+-- reads (it has just started, or its report was lost) takes a ticket '#c'
+-- instead, which gives it a part of a reserve (see fleet.go). An instance
+-- that did not read window i-1 (its heartbeat failed, or its breaker was
+-- open) asks for that window too: each instance holds the lesser of its
+-- parts in two windows read in a row, so that the parts held while some
+-- have read window i and others only i-1 add up to at most 1 (see weigh
+-- in fleet.go).
 --
--- The mark tells a report lost from a report counted. The window's first
--- report draws it (1 to 1023, from the clock's milliseconds) and adds it
--- to '#t', so that every later report's HINCRBY returns it. If Redis
--- loses the hash (a restart without data) while the window is reported
--- for, the first report after the loss draws another: an instance whose
--- report went into the lost hash then reads a mark other than its own,
--- and takes a ticket, as one never counted; without the mark it would
--- take its part of a sum that does not hold its report.
+-- The mark tells a report lost from a report counted. The first report
+-- of a hash draws it (1 to 1023, from the clock's milliseconds); later
+-- reports read it. If Redis loses the hash (a restart without data) while
+-- the window is reported for, the first report after the loss draws
+-- another: an instance whose report went into the lost hash then reads a
+-- mark other than its own when it reads the window, and takes a ticket,
+-- as one never counted, instead of its part of a sum without its report.
 --
 -- The script runs on the one shard every instance of the group shares, so
--- it does as little as it can: TIME, one HINCRBY and one HGET whatever the
--- fleet's size (and one more HINCRBY for a window's first report), the
--- packed numbers passed through as strings. Its reply:
+-- it does as little as it can: TIME, one HINCRBY, one HGET of the mark and
+-- one HMGET whatever the fleet's size (and an HSET of the mark and a
+-- PEXPIREAT for a hash's first report), the packed numbers passed through
+-- as strings. Its reply:
 --   {now_ms, taken (0, or 1 + the mark it was taken under),
 --    sum ('#t' of window i, or 0), ticket (or 0)}
 -- and, if window i-1 was asked for, window i is closed and window i-1's
@@ -52,7 +52,9 @@
 --   {..., sum of window i-1 (or 0: nobody reported for it), its ticket}
 -- sum is 0 if window i is not closed yet, or nobody reported for it. A
 -- window's hash expires once it can no longer be read, as window i or as
--- window i-1.
+-- window i-1. A ticket is given to an instance that asks for one or whose
+-- mark is not the hash's: an instance that got one unasked was not
+-- counted in the sum it read.
 
 -- The report is checked by HINCRBY (an integer, or an error before any
 -- write); the windows here.
@@ -76,44 +78,38 @@ else
 end
 local r = math.floor(now / w)
 
--- A sum's mark, from the top bits: exact whatever the double's rounding
--- of the bits below, short of a sum within 2^-11 of its tokens' limit.
-local top = 2 ^ 53
-local function mark(sum)
-  return math.floor(tonumber(sum) / top)
-end
-
 local taken = 0
 if j >= r - 2 and j <= r then
-  local add = tonumber(ARGV[2])
+  -- An overflow (2^43 tokens) is an error, and nothing is written.
   local sum = redis.call('HINCRBY', KEYS[1], '#t', ARGV[2])
-  if sum == add then
-    -- The first report: window j is read, as window i or i-1, until
-    -- window j+5 ends; its mark goes in with it.
-    local m = now % 1023 + 1
-    redis.call('HINCRBY', KEYS[1], '#t', string.format('%.0f', m * top))
-    redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', (j + 6) * w))
-    taken = 1 + m
-  elseif mark(sum) ~= mark(sum - add) then
-    -- The tokens overflowed into the mark (2^33 in a window): the
-    -- report is taken back, as the HINCRBY of a sum past 2^63 refuses
-    -- it. Either way nothing of it stays.
-    redis.call('HINCRBY', KEYS[1], '#t', '-' .. ARGV[2])
-  else
-    taken = 1 + mark(sum)
+  local first = sum == tonumber(ARGV[2])
+  local m = not first and redis.call('HGET', KEYS[1], '#m')
+  if not m then
+    -- The first report, or the first of this version in a hash begun by
+    -- one without marks.
+    m = string.format('%d', now % 1023 + 1)
+    redis.call('HSET', KEYS[1], '#m', m)
   end
+  if first then
+    -- Window j is read, as window i or i-1, until window j+5 ends (last:
+    -- an expiry at or before now deletes the hash at once).
+    redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', (j + 6) * w))
+  end
+  taken = 1 + tonumber(m)
 end
 
 if i <= r - 3 then
-  local sum = redis.call('HGET', KEYS[2], '#t')
+  local read = redis.call('HMGET', KEYS[2], '#t', '#m')
+  local sum = read[1]
   local ticket = 0
-  if sum and (want % 2 == 1 or mark(sum) ~= mi) then
+  if sum and (want % 2 == 1 or tonumber(read[2] or 0) ~= mi) then
     ticket = redis.call('HINCRBY', KEYS[2], '#c', 1)
   end
   if want % 4 >= 2 and i >= r - 4 then
-    local before = redis.call('HGET', KEYS[3], '#t')
+    local b = redis.call('HMGET', KEYS[3], '#t', '#m')
+    local before = b[1]
     local bticket = 0
-    if before and (want >= 4 or mark(before) ~= mb) then
+    if before and (want >= 4 or tonumber(b[2] or 0) ~= mb) then
       bticket = redis.call('HINCRBY', KEYS[3], '#c', 1)
     end
     return {now, taken, sum or 0, ticket, before or 0, bticket}

@@ -25,11 +25,14 @@ type Heartbeat struct {
 	Window    int64 // the window read
 	Now       int64 // Redis TIME, in milliseconds
 	Taken     bool  // the report was counted in its window
-	Mark      int64 // if Taken, the mark of the sum it went into (see Reading.SumMark)
+	Mark      int64 // if Taken, the mark of the window's hash it went into (see Beat.Mark)
 	Reporters int64 // instances that reported for Window; 0: none, or not closed yet
 	Total     int64 // tokens they reported, in all
-	SumMark   int64 // the mark of Window's sum (see Reading.SumMark)
-	Ticket    int64 // if asked for and Reporters > 0: its place among those not counted
+	// Ticket, if Reporters > 0, is its place among those not counted:
+	// given if the Beat asked for one, or if its Mark is not the hash's
+	// (its report went into a hash Redis lost), and then the instance was
+	// not counted in Total.
+	Ticket int64
 	// Before is window Window-1, if the Beat asked for it and Window was
 	// closed: an instance that did not read that window when its turn
 	// came reads it with the next.
@@ -41,27 +44,22 @@ type Reading struct {
 	Read      bool  // Redis read the window (Redis was no more than a window late for it)
 	Reporters int64 // instances that reported for it; 0: none
 	Total     int64 // tokens they reported, in all
-	// SumMark is the mark of the window's sum, drawn by its first report
-	// (1 to 1023; 0 in a sum begun by a version of this package without
-	// marks). A report was counted in the sum read only if it was taken
-	// under the same mark: if Redis lost the window's hash after the
-	// report, the first report after the loss drew another.
-	SumMark int64
-	Ticket  int64 // if asked for and Reporters > 0: its place among those not counted
+	Ticket    int64 // as Heartbeat.Ticket
 }
 
 // A report is packed as tokens<<reporterBits | 1, so that one HINCRBY
-// adds both the tokens and the instance to the window's sum; the window's
-// first report adds the sum's mark above them, at markShift. The tokens of
-// one report are capped at MaxReport; the sum holds up to 2^33-1 tokens
-// (a report that would take it further is not taken, and nothing of it is
-// written) from up to 2^20-1 instances.
+// adds both the tokens and the instance to the window's sum. The tokens
+// of one report are capped at MaxReport; the sum holds up to 2^43 tokens
+// (beyond, HINCRBY fails and nothing is written) from up to 2^20-1
+// instances.
 const (
 	reporterBits = 20
-	markShift    = 53
 	// MaxReport is the most tokens one report counts.
 	MaxReport = 1<<32 - 1
 )
+
+// maxMark is the largest mark (Beat.Mark) a window's first report draws.
+const maxMark = 1023
 
 // Beat is one heartbeat of Beats, and what came of it. Offered is what
 // this instance counted in Window of Redis TIME (windows of Every, whole
@@ -72,7 +70,8 @@ const (
 // for an instance not counted in it. Window w's hash is named
 // Base+":"+w; Base must carry a hash tag, so that a call's keys share a
 // Cluster slot. Redis's cost and the reply's size do not depend on the
-// fleet's size.
+// fleet's size. A heartbeat is never retried but for NOSCRIPT, which
+// proves it did not run: a report is never counted twice.
 type Beat struct {
 	Base    string
 	Window  int64
@@ -83,15 +82,19 @@ type Beat struct {
 	// BeforeTicket for a ticket in it.
 	Before, BeforeTicket bool
 	// Mark and BeforeMark are the marks (Heartbeat.Mark) this instance's
-	// reports in the windows read were taken under, where they were: an
-	// instance that was counted in a window is given a ticket there
-	// anyway if the window's sum has another mark now.
+	// reports in the windows read were taken under, where they were. The
+	// first report of a window's hash draws its mark (1 to 1023), which
+	// every later report gets back; if Redis lost the hash after this
+	// instance's report (a restart without data), the first report after
+	// the loss drew another, and the instance, given a ticket, knows it
+	// was not counted in the sum it reads. A Beat that leaves them 0 where
+	// its report was taken is given a ticket too.
 	Mark, BeforeMark int64
 	Heartbeat        Heartbeat // set by Beats if Err is nil
 	Err              error
 }
 
-// Beats sends every heartbeat of beats as Fleet would, in one pipeline:
+// Beats sends every heartbeat of beats in one pipeline:
 // one round trip for the heartbeats of many Limiters that share c, so
 // that what they cost this process and Redis's socket work are paid once
 // per batch rather than once per heartbeat. Redis runs each one's script
@@ -218,7 +221,7 @@ func parseHeartbeat(reply any) (Heartbeat, error) {
 		return Heartbeat{}, fmt.Errorf("%w: fleet reply %v", ErrReply, vals)
 	}
 	h := Heartbeat{Now: now, Taken: taken > 0, Mark: max(taken-1, 0),
-		Reporters: r.Reporters, Total: r.Total, SumMark: r.SumMark, Ticket: r.Ticket}
+		Reporters: r.Reporters, Total: r.Total, Ticket: r.Ticket}
 	if len(vals) == 6 {
 		if h.Before, ok = parseReading(vals[4], vals[5]); !ok {
 			return Heartbeat{}, fmt.Errorf("%w: fleet reply %v", ErrReply, vals)
@@ -245,12 +248,8 @@ func parseReading(s, t any) (Reading, bool) {
 	if !ok || ticket < 0 || sum == 0 && ticket != 0 {
 		return Reading{}, false
 	}
-	return Reading{Read: true, Reporters: sum & (1<<reporterBits - 1), Total: (sum & (1<<markShift - 1)) >> reporterBits,
-		SumMark: sum >> markShift, Ticket: ticket}, true
+	return Reading{Read: true, Reporters: sum & (1<<reporterBits - 1), Total: sum >> reporterBits, Ticket: ticket}, true
 }
-
-// maxMark is the largest mark a window's first report draws.
-const maxMark = 1023
 
 // Load loads every script of this package into the script cache of c's
 // node, and on Redis 7 and later the function library too, so that the

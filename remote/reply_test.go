@@ -133,10 +133,9 @@ func TestParseHeartbeat(t *testing.T) {
 		{[]any{now, int64(1), sum(100, 3), int64(0)}, Heartbeat{Now: now, Taken: true, Reporters: 3, Total: 100}},
 		{[]any{now, int64(1), sum(0, 3), int64(0)}, Heartbeat{Now: now, Taken: true, Reporters: 3}},
 		{[]any{now, int64(0), sum(100, 3), int64(2)}, Heartbeat{Now: now, Reporters: 3, Total: 100, Ticket: 2}},
-		// Marks: the report's (taken 1 + its mark), the sums' (the top bits).
-		{[]any{now, int64(1024), strconv.FormatInt(1023<<53|100<<20|3, 10), int64(0), strconv.FormatInt(7<<53|(1<<33-1)<<20|2, 10), int64(0)},
-			Heartbeat{Now: now, Taken: true, Mark: 1023, Reporters: 3, Total: 100, SumMark: 1023,
-				Before: Reading{Read: true, Reporters: 2, Total: 1<<33 - 1, SumMark: 7}}},
+		// The report's mark: taken is 1 + the mark.
+		{[]any{now, int64(1024), sum(100, 3), int64(0)}, Heartbeat{Now: now, Taken: true, Mark: 1023, Reporters: 3, Total: 100}},
+		{[]any{now, int64(8), sum(100, 3), int64(0)}, Heartbeat{Now: now, Taken: true, Mark: 7, Reporters: 3, Total: 100}},
 		// With the window before.
 		{[]any{now, int64(1), sum(100, 3), int64(0), sum(50, 2), int64(1)},
 			Heartbeat{Now: now, Taken: true, Reporters: 3, Total: 100, Before: Reading{Read: true, Reporters: 2, Total: 50, Ticket: 1}}},

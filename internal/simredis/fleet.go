@@ -49,10 +49,16 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 			return e
 		}
 		sum := hincrby(v, "#t", add)
-		switch {
-		case sum == add:
-			m := math.Mod(now, 1023) + 1
-			hincrby(v, "#t", int64(m*markTop))
+		first := sum == add
+		m, ok := "", false
+		if !first {
+			m, ok = hget(v, "#m")
+		}
+		if !ok {
+			m = strconv.FormatInt(int64(math.Mod(now, 1023))+1, 10)
+			hset(v, "#m", m)
+		}
+		if first {
 			v.expire = time.UnixMilli(int64((j + 6) * w))
 			if !v.expire.After(time.UnixMilli(at.UnixMilli())) {
 				// PEXPIREAT at or before the server's clock (a window
@@ -61,12 +67,9 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 				// only once the clock is after it.
 				delete(s.data, report)
 			}
-			taken = 1 + int64(m)
-		case markOf(float64(sum)) != markOf(float64(sum)-float64(add)):
-			hincrby(v, "#t", -add)
-		default:
-			taken = 1 + int64(markOf(float64(sum)))
 		}
+		mark, _ := strconv.ParseInt(m, 10, 64)
+		taken = 1 + mark
 		s.replicate(report)
 	}
 	if i <= r-3 {
@@ -76,7 +79,7 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 		}
 		sum, ok := hget(v, "#t")
 		ticket := int64(0)
-		if ok && (math.Mod(want, 2) == 1 || markOfString(sum) != mi) {
+		if ok && (math.Mod(want, 2) == 1 || markOf(v) != mi) {
 			ticket = hincrby(v, "#c", 1)
 			s.replicate(read)
 		}
@@ -87,7 +90,7 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 			}
 			bsum, bok := hget(b, "#t")
 			bticket := int64(0)
-			if bok && (want >= 4 || markOfString(bsum) != mb) {
+			if bok && (want >= 4 || markOf(b) != mb) {
 				bticket = hincrby(b, "#c", 1)
 				s.replicate(before)
 			}
@@ -100,17 +103,28 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 	return []any{int64(now), taken, int64(0), int64(0)}
 }
 
-// markTop is 2^53, the script's top: a sum's mark is the part of it above.
-const markTop = 1 << 53
+// markOf is v's mark, as the script reads it: tonumber(HMGET(...)[2] or 0).
+func markOf(v *value) float64 {
+	m, ok := hget(v, "#m")
+	if !ok {
+		return 0
+	}
+	f, err := strconv.ParseFloat(m, 64)
+	if err != nil {
+		return math.NaN() // tonumber's nil: equal to no mark
+	}
+	return f
+}
 
-// markOf is the script's mark(sum) of a sum Lua holds as a double.
-func markOf(sum float64) float64 { return math.Floor(sum / markTop) }
-
-// markOfString is mark(sum) of a sum read as a string, which tonumber
-// turns into a double.
-func markOfString(sum string) float64 {
-	f, _ := strconv.ParseFloat(sum, 64)
-	return markOf(f)
+// hset sets field to val in v, as HSET does.
+func hset(v *value, field, val string) {
+	for k := 0; k < len(v.fields); k += 2 {
+		if v.fields[k] == field {
+			v.fields[k+1] = val
+			return
+		}
+	}
+	v.fields = append(v.fields, field, val)
 }
 
 // orZero is a field's value as a script returns `HGET(...) or 0`.
