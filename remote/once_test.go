@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
 )
 
@@ -42,9 +44,11 @@ func TestChargeOnce(t *testing.T) {
 	}
 }
 
-// TestOnceKeySlot: a charge's Once key lives in its bucket's Cluster slot.
+// TestOnceKeySlot: a charge's Once key lives in its bucket's Cluster slot,
+// and starts with the bucket's key (so with the limiter's Prefix) unless
+// the key has a '{' that no '}' closes.
 func TestOnceKeySlot(t *testing.T) {
-	for _, key := range []string{"k", "hybridlimit:user:1", "{tag}rest", "a{b", "pre{}post", "x{y}z{w}", "a}b"} {
+	for _, key := range []string{"k", "hybridlimit:user:1", "{tag}rest", "a{b", "pre{}post", "x{y}z{w}", "a}b", "hybridlimit:{t}x"} {
 		once := OnceKey(key, "id")
 		if once == "" {
 			if !strings.Contains(key, "}") {
@@ -54,6 +58,30 @@ func TestOnceKeySlot(t *testing.T) {
 		}
 		if Slot(once) != Slot(key) {
 			t.Errorf("OnceKey(%q) = %q: slot %d, the key's %d", key, once, Slot(once), Slot(key))
+		}
+		if open := strings.Index(key, "{"); !strings.HasPrefix(once, key) && (open < 0 || strings.Contains(key[open:], "}")) {
+			t.Errorf("OnceKey(%q) = %q; want it under the key", key, once)
+		}
+	}
+}
+
+// TestOnceKeyUnderACL: on redis-server, a user whose ACL allows only keys
+// under the limiter's Prefix (~hybridlimit:*) can charge under a Once: the
+// charge's name is under the Prefix too. Named {key}:once:..., Redis
+// refused every such charge (NOPERM), and what an instance spent while
+// Redis was away was never charged.
+func TestOnceKeyUnderACL(t *testing.T) {
+	srv := redistest.Start(t)
+	srv.Do(t, "ACL", "SETUSER", "limiter", "on", ">pw", "~hybridlimit:*", "+@all")
+	c := redis.NewClient(&redis.Options{Addr: srv.Addr(), Username: "limiter", Password: "pw"})
+	defer c.Close()
+	p := NewPipe(c, 0, nil)
+	defer p.Close()
+	lim := mustLimit(t, 10, 10)
+	for _, key := range []string{"hybridlimit:k", "hybridlimit:{t}k"} {
+		res, err := p.Do(context.Background(), Request{Key: key, Limit: lim, Units: lim.Units(3), Charge: true, Once: "c1"})
+		if err != nil || !res.Allowed {
+			t.Errorf("charge of %s under a Once = %+v, %v; want it applied", key, res, err)
 		}
 	}
 }

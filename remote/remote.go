@@ -825,12 +825,15 @@ var onceForMillis = OnceFor.Milliseconds()
 
 // OnceKey returns the key under which Redis remembers charge once of key,
 // in key's Cluster slot so that one script may touch both: key's hash tag
-// kept, or key made the tag. It returns "" for the rare key that neither
-// keeps (a '}' without a tag before it): its charges are sent without a
-// Once, and one sent again may be applied twice.
+// kept, or key made the tag. It starts with key where it can, so that a
+// Redis ACL that lets the limiter's user touch only keys under its Prefix
+// (~prefix*) lets it write the charge's name too. It returns "" for the
+// rare key that cannot have one in its slot (a '}' without a tag before
+// it): its charges are sent without a Once, and one sent again may be
+// applied twice.
 func OnceKey(key, once string) string {
 	slot := Slot(key)
-	for _, k := range []string{key + ":once:" + once, "{" + key + "}:once:" + once} {
+	for _, k := range []string{key + ":once:" + once, key + ":once{" + key + "}:" + once, "{" + key + "}:once:" + once} {
 		if Slot(k) == slot {
 			return k
 		}
