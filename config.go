@@ -116,8 +116,11 @@ type BreakerConfig struct {
 // Config configures a Limiter. Only Redis and Limit are required.
 type Config struct {
 	// Redis is the client to decide through: a *redis.Client, a
-	// *redis.ClusterClient, a failover client, or any other
-	// UniversalClient. The Limiter never closes it. Required.
+	// *redis.ClusterClient (one breaker per master), or a Sentinel failover
+	// client (NewFailoverClient, NewFailoverClusterClient). A *redis.Ring
+	// or a *redis.AutoPipeliner is refused with ErrInvalidConfig; any other
+	// UniversalClient (a wrapper of your own) is taken for one node, with
+	// one breaker. The Limiter never closes it. Required.
 	Redis redis.UniversalClient
 	// Limit is the limit shared by every instance, for every key that
 	// LimitFor does not give another; SetLimit changes it. Required.
@@ -275,6 +278,15 @@ func (cfg *Config) validate() error {
 		// the first call on it would panic, the first contact's in a
 		// goroutine of ours, which no recover of the caller's can catch.
 		return bad("Redis is a nil %T", cfg.Redis)
+	}
+	switch cfg.Redis.(type) {
+	case *redis.Ring:
+		// Its shards are separate servers chosen by key, which the
+		// limiter cannot see: one breaker for all of them, so a shard
+		// that hangs sends the others' keys to the failure policy too.
+		return bad("Redis is a *redis.Ring, whose shards the limiter cannot tell apart: use a *redis.ClusterClient, or a Limiter per shard")
+	case *redis.AutoPipeliner:
+		return bad("Redis is a *redis.AutoPipeliner: pass the client it wraps; the limiter batches its own calls")
 	}
 	if r := cfg.Limit.Rate; !(r > 0) || math.IsInf(r, 0) {
 		return bad("Limit.Rate must be positive and finite, got %v", r)

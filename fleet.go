@@ -5,6 +5,7 @@ import (
 	"context"
 	"hash/maphash"
 	"math"
+	"reflect"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -341,7 +342,8 @@ type report struct {
 // and 2,000 round trips. The first Limiter of a client starts its pacer;
 // the last to Close stops it and waits for its goroutine to return.
 type pacer struct {
-	c redis.UniversalClient
+	c   redis.UniversalClient
+	key any // in pacers.by
 	// node is what is known of the heartbeats' node: one for the client,
 	// though on a Cluster the heartbeats of Limiters of other names may go
 	// to other masters. It only picks each call's first try: a call that
@@ -371,27 +373,38 @@ const pacerSlots = 8
 // next window, which a report of 4 windows smooths out.
 const pacerSlack = 50
 
-// pacers holds the pacer of each client that Limiters use.
+// pacers holds the pacer of each client that Limiters use, by pacerKey.
 var pacers struct {
 	mu sync.Mutex // protects by
-	by map[redis.UniversalClient]*pacer
+	by map[any]*pacer
+}
+
+// pacerKey returns the key of the pacer h's Limiter shares: its client,
+// unless the client is a value no map can hold (a wrapper of the user's
+// with a slice or a func in it), whose Limiter gets a pacer of its own.
+func pacerKey(h *heart) any {
+	c := h.lim.cfg.Redis
+	if !reflect.ValueOf(c).Comparable() {
+		return h
+	}
+	return c
 }
 
 // join adds h to the pacer of its Limiter's client, starting the pacer if
 // h is its first.
 func join(h *heart) *pacer {
-	c := h.lim.cfg.Redis
+	key := pacerKey(h)
 	pacers.mu.Lock()
 	defer pacers.mu.Unlock()
-	p := pacers.by[c]
+	p := pacers.by[key]
 	if p == nil {
 		if pacers.by == nil {
-			pacers.by = make(map[redis.UniversalClient]*pacer)
+			pacers.by = make(map[any]*pacer)
 		}
-		p = &pacer{c: c, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: h.lim.rand.Float64() * pacerSlots,
+		p = &pacer{c: h.lim.cfg.Redis, key: key, wake: make(chan struct{}, 1), done: make(chan struct{}), phase: h.lim.rand.Float64() * pacerSlots,
 			node: &remote.Node{Name: "heartbeats", Log: h.lim.cfg.Logger, Now: h.lim.cfg.now}}
 		p.ctx, p.stop = context.WithCancel(context.Background())
-		pacers.by[c] = p
+		pacers.by[key] = p
 		go p.run()
 	}
 	p.mu.Lock()
@@ -422,8 +435,8 @@ func (p *pacer) leave(h *heart) {
 	p.members--
 	last := p.members == 0
 	p.mu.Unlock()
-	if last && pacers.by[p.c] == p {
-		delete(pacers.by, p.c)
+	if last && pacers.by[p.key] == p {
+		delete(pacers.by, p.key)
 	}
 	pacers.mu.Unlock()
 	if last {

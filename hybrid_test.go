@@ -533,6 +533,54 @@ func TestNewRejectsNilClient(t *testing.T) {
 	}
 }
 
+// TestNewRejectsClientKinds: a Ring, whose shards are separate servers
+// chosen by key, got one breaker for all of them (a shard paused made
+// every decision on the others' keys wait its budget too, or go local),
+// and an AutoPipeliner hid whatever it wrapped: both are refused.
+func TestNewRejectsClientKinds(t *testing.T) {
+	ring := redis.NewRing(&redis.RingOptions{Addrs: map[string]string{"a": "127.0.0.1:1", "b": "127.0.0.1:2"}})
+	defer ring.Close()
+	plain := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer plain.Close()
+	auto, err := plain.AutoPipeline()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer auto.Close()
+	for _, c := range []redis.UniversalClient{ring, auto} {
+		lim, err := New(Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1})
+		if lim != nil {
+			lim.Close()
+		}
+		if !errors.Is(err, ErrInvalidConfig) {
+			t.Errorf("New(Redis: %T) = %v; want ErrInvalidConfig", c, err)
+		}
+	}
+}
+
+// labelled is a wrapper of a client such as a user may write to carry
+// metadata: a value no map can hold.
+type labelled struct {
+	redis.UniversalClient
+	labels []string
+}
+
+// TestUnhashableClient: a client value no map can hold (a wrapper with a
+// slice in it) works: New panicked on it, hashing it as the key of the
+// heartbeats' pacer, after starting goroutines that then leaked.
+func TestUnhashableClient(t *testing.T) {
+	withRedis(t, func(t *testing.T, r *testRedis) {
+		c := labelled{UniversalClient: r.client(t), labels: []string{"team:a"}}
+		for range 2 {
+			lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: 100 * time.Millisecond})
+			if d, err := lim.Allow(context.Background(), "k"); err != nil || !d.Allowed {
+				t.Errorf("Allow = %+v, %v; want allowed", d, err)
+			}
+		}
+		time.Sleep(time.Second) // heartbeats
+	})
+}
+
 // TestReservedKeys: a key that names a heartbeat hash of the fleet
 // (Prefix + "{hybridlimit-fleet:" + Name + "}:" + window, a window being
 // Redis's time in Heartbeats, easy to guess) is refused with
