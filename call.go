@@ -201,6 +201,16 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 			}
 			return remote.Result{}, moved, breaker.Excluded, nodeAddr(addr, nd.addr)
 		}
+	} else if _, _, ok := remote.Redirected(err); ok {
+		// A plain client of one node of a Cluster (NewUniversalClient
+		// with one address and no IsClusterMode makes one): the keys of
+		// the other nodes' slots go to the failure policy, and with the
+		// node's own keys answering between them, the breaker may never
+		// open to say so.
+		lim.misrouted.Do(func() {
+			lim.cfg.Logger.Error("hybridlimit: Redis answered MOVED: Config.Redis is a client of one node of a Redis Cluster; use a *redis.ClusterClient (redis.NewClusterClient, or NewUniversalClient with IsClusterMode)",
+				"limiter", lim.cfg.Name, "err", err)
+		})
 	}
 	o, verdict := lim.classify(ctx, err, budget)
 	switch verdict {

@@ -88,4 +88,36 @@ func TestMisconfiguredClientSaysWhy(t *testing.T) {
 	if !strings.Contains(out, "MOVED") {
 		t.Errorf("the log never says why the breaker opened:\n%s", out)
 	}
+	if n := strings.Count(out, "level=ERROR msg=\"hybridlimit: Redis answered MOVED"); n != 1 {
+		t.Errorf("logged the misconfiguration %d times; want once:\n%s", n, out)
+	}
+}
+
+// TestMisconfiguredClientBetweenAnswers: a plain client of one node of a
+// Cluster, whose own keys answer between the MOVED of the others' (so the
+// breaker never opens): the misconfiguration is logged once, at Error.
+// Before, the decisions on the other nodes' keys went to the failure
+// policy with no log at all (190 of 300 on a real Cluster).
+func TestMisconfiguredClientBetweenAnswers(t *testing.T) {
+	m, c := miniClient(t)
+	var logs syncBuffer
+	lim := newLimiter(t, Config{Redis: c, Limit: Limit{Rate: 100, Burst: 100}, Heartbeat: -1, Instances: 1,
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	for i := range 12 {
+		if i%2 == 0 {
+			m.SetError("MOVED 3999 10.0.0.7:6379")
+		} else {
+			m.SetError("")
+		}
+		if _, err := lim.Allow(context.Background(), "k"); err != nil {
+			t.Fatalf("Allow = %v; want a decision", err)
+		}
+	}
+	out := logs.String()
+	if strings.Contains(out, "to=open") {
+		t.Fatalf("the breaker opened; the test wants answers between the MOVED:\n%s", out)
+	}
+	if n := strings.Count(out, "level=ERROR msg=\"hybridlimit: Redis answered MOVED"); n != 1 {
+		t.Errorf("logged the misconfiguration %d times; want once:\n%s", n, out)
+	}
 }

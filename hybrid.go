@@ -171,6 +171,9 @@ type Limiter struct {
 	// spentLocally is set by the first local decision that granted tokens:
 	// from then on there can be local spending to charge.
 	spentLocally atomic.Bool
+	// misrouted logs, once, that a client of one node answered MOVED: a
+	// plain client of a Cluster node (see send).
+	misrouted sync.Once
 
 	// For a Cluster: the layout the limiter read itself, whether a reading
 	// is under way, and its own node clients (protected by mu).
