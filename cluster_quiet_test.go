@@ -735,3 +735,27 @@ func TestOwnClientsFollowTheLayout(t *testing.T) {
 		}
 	})
 }
+
+// TestOwnClientsKeepTheUsersOptions: the limiter's own client of a node
+// (after a failover it followed before go-redis, and for probes) sends
+// the handshake the user's Cluster client would: identity settings
+// included, so that an ACL log or CLIENT LIST shows what the user chose.
+func TestOwnClientsKeepTheUsersOptions(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		cl, _, lim := onSimClusterOpts(t, Config{Limit: PerSecond(10), Heartbeat: -1, Instances: 1}, false, func(_ *simredis.Cluster, o *redis.ClusterOptions) {
+			o.ClientName, o.IdentitySuffix, o.DisableIdentity, o.UnstableResp3 = "svc", "-a", true, true
+			o.DisableIndentity = true //nolint:staticcheck // deprecated, still honoured by go-redis
+		}, nil)
+		lim.mu.Lock()
+		c := lim.ownClientLocked(cl.Addrs()[0])
+		lim.mu.Unlock()
+		if c == nil {
+			t.Fatal("no own client")
+		}
+		o := c.Options()
+		if o.ClientName != "svc" || o.IdentitySuffix != "-a" || !o.DisableIdentity || !o.DisableIndentity || !o.UnstableResp3 { //nolint:staticcheck
+			t.Errorf("own client's options: ClientName %q IdentitySuffix %q DisableIdentity %v DisableIndentity %v UnstableResp3 %v; want the Cluster client's",
+				o.ClientName, o.IdentitySuffix, o.DisableIdentity, o.DisableIndentity, o.UnstableResp3) //nolint:staticcheck
+		}
+	})
+}

@@ -505,6 +505,9 @@ func (lim *Limiter) ownClientLocked(addr string) *redis.Client {
 		WriteTimeout:          max(o.WriteTimeout, 0),
 		PoolSize:              o.PoolSize,
 		DisableIdentity:       o.DisableIdentity,
+		DisableIndentity:      o.DisableIndentity, //nolint:staticcheck // deprecated, still honoured by go-redis
+		IdentitySuffix:        o.IdentitySuffix,
+		UnstableResp3:         o.UnstableResp3,
 		ContextTimeoutEnabled: true,
 		MaxRetries:            -1,
 	})
