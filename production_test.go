@@ -726,6 +726,36 @@ func TestCloseWithUnboundedReadTimeout(t *testing.T) {
 	})
 }
 
+// hidden is a wrapper of a client that hides its options, as a user's
+// instrumentation wrapper may.
+type hidden struct{ redis.UniversalClient }
+
+// TestCloseWithAWrappedClient: the same, through a wrapper that hides the
+// client's options. Close waited, as for a client known to bound its
+// reads, for as long as Redis hung: a client whose options are not known
+// is now taken for one that may bound nothing.
+func TestCloseWithAWrappedClient(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		c, link := unboundedClient(t)
+		lim, err := New(Config{Redis: hidden{c}, Limit: PerSecond(10), Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := context.Background()
+		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("Allow = %+v, %v; want remote", d, err)
+		}
+		time.Sleep(2 * time.Second)
+		link.Hang()
+		t.Cleanup(link.Resume)
+		start := time.Now()
+		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeLocal || time.Since(start) > 51*time.Millisecond {
+			t.Fatalf("Allow into a hung Redis = %+v, %v after %v; want local within 50ms", d, err, time.Since(start))
+		}
+		closesWithinAMinute(t, lim, "Redis hung, through a wrapper", link.Resume)
+	})
+}
+
 // TestCloseDuringFirstContactWithUnboundedReadTimeout: a client whose
 // ReadTimeout is -1 against a Redis that hangs from the start: the first
 // contact (warm) waits in go-redis's read, which nothing but Redis's answer

@@ -210,35 +210,37 @@ func NewPipe(c redis.UniversalClient, inflight int, n *Node) *Pipe {
 // directly without risking the client's own, longer, time-outs. A client
 // whose ReadTimeout or WriteTimeout is -2 sets no socket deadline at all,
 // the context's neither (its options then hold a negative time-out), and
-// would hold such a caller for as long as Redis hangs.
+// would hold such a caller for as long as Redis hangs. A client whose
+// options are not known (a wrapper that hides them) does not.
 func boundsReads(c redis.UniversalClient) bool {
 	switch c := c.(type) {
-	case *redis.Client:
+	case interface{ Options() *redis.Options }:
 		o := c.Options()
 		return o.ContextTimeoutEnabled && o.ReadTimeout >= 0 && o.WriteTimeout >= 0
-	case *redis.ClusterClient:
+	case interface{ Options() *redis.ClusterOptions }:
 		o := c.Options()
 		return o.ContextTimeoutEnabled && o.ReadTimeout >= 0 && o.WriteTimeout >= 0
 	}
 	return false
 }
 
-// readsUnbounded reports whether c sets no deadline of its own on a read,
-// and none of the context's either: its ReadTimeout is -1 (none) or -2
-// (no socket deadline at all), without ContextTimeoutEnabled. (After
-// go-redis's defaults, a Client's options hold 0 and -1 for those, a
-// ClusterClient's 0 and -2.)
+// readsUnbounded reports whether c may set no deadline of its own on a
+// read, and none of the context's either: its ReadTimeout is -1 (none) or
+// -2 (no socket deadline at all), without ContextTimeoutEnabled, or its
+// options are not known (a wrapper that hides them: what it does cannot
+// be told). (After go-redis's defaults, a Client's options hold 0 and -1
+// for those, a ClusterClient's 0 and -2.)
 func readsUnbounded(c redis.UniversalClient) bool {
 	if boundsReads(c) {
 		return false
 	}
 	switch c := c.(type) {
-	case *redis.Client:
+	case interface{ Options() *redis.Options }:
 		return c.Options().ReadTimeout <= 0
-	case *redis.ClusterClient:
+	case interface{ Options() *redis.ClusterOptions }:
 		return c.Options().ReadTimeout <= 0
 	}
-	return false
+	return true
 }
 
 // Detach runs f and returns once f has returned, or, if c bounds its
