@@ -531,8 +531,9 @@ func TestLayoutReadsBounded(t *testing.T) {
 	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
 		// go-redis's own readings, through its node clients, are counted
 		// apart from the limiter's.
-		var theirs atomic.Int64
-		cl, links, lim := onSimClusterWith(t, Config{Limit: PerSecond(100), Timeout: 50 * time.Millisecond}, ctxTimeout, func(c *redis.ClusterClient) {
+		var theirs, readings atomic.Int64
+		cfg := Config{Limit: PerSecond(100), Timeout: 50 * time.Millisecond, onLayoutRead: func() { readings.Add(1) }}
+		cl, links, lim := onSimClusterWith(t, cfg, ctxTimeout, func(c *redis.ClusterClient) {
 			c.OnNewNode(func(c *redis.Client) { c.AddHook(slotsCounter{&theirs}) })
 		})
 		ctx := context.Background()
@@ -557,13 +558,13 @@ func TestLayoutReadsBounded(t *testing.T) {
 			return all
 		}
 		decide(time.Second) // the breaker opens
-		all, mine, atReplica := reads(), theirs.Load(), cl.SlotsReads(replica)
+		all, mine, atReplica, read0 := reads(), theirs.Load(), cl.SlotsReads(replica), readings.Load()
 		const span = 3 * time.Second
 		decide(span)
-		readings := int64(span / reloadEvery)
+		n := readings.Load() - read0
 		own := reads() - all - (theirs.Load() - mine)
 		t.Logf("the limiter's own CLUSTER SLOTS in %v of an open breaker: %d (6 nodes, %d readings); at the replica: %d; go-redis's: %d",
-			span, own, readings, cl.SlotsReads(replica)-atReplica, theirs.Load()-mine)
+			span, own, n, cl.SlotsReads(replica)-atReplica, theirs.Load()-mine)
 		// Two a reading. The prober reads every reloadEvery (30 in the
 		// span), failed and watched calls start about one more a second
 		// (3), and one may be under way at either end of the span: 35
@@ -572,8 +573,18 @@ func TestLayoutReadsBounded(t *testing.T) {
 		if want := int64(70); own > want {
 			t.Errorf("the limiter sent %d CLUSTER SLOTS in %v of an open breaker; want at most %d", own, span, want)
 		}
-		if got := cl.SlotsReads(replica) - atReplica; got < readings-1 {
-			t.Errorf("the hung master's replica was asked %d times in %d readings; want every reading", got, readings)
+		// The prober reads once it is reloadEvery since the last reading,
+		// at its next tick, after a probe of the hung master, which waits
+		// its Timeout, if one was due: at least every reloadEvery +
+		// probeTick + Timeout, 17 readings in the span (30 if no probe
+		// were ever due).
+		if least := int64(span/(reloadEvery+probeTick+cfg.Timeout)) - 1; n < least {
+			t.Errorf("%d readings of the layout in %v of an open breaker; want at least %d", n, span, least)
+		}
+		// Every reading asks the replica, but one under way at the
+		// span's end.
+		if got := cl.SlotsReads(replica) - atReplica; got < n-1 {
+			t.Errorf("the hung master's replica was asked %d times in %d readings; want every reading", got, n)
 		}
 	})
 }

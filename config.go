@@ -216,6 +216,9 @@ type Config struct {
 	// onView, if set, is called with each view a heartbeat stores, which
 	// the simulator checks across the fleet.
 	onView func(*fleet)
+	// onLayoutRead, if set, is called at the start of every reading of a
+	// Cluster's layout, which tests count.
+	onLayoutRead func()
 }
 
 // Errors returned by New and Limiter methods. Test for them with errors.Is.
