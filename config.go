@@ -217,8 +217,9 @@ type Config struct {
 	// the simulator checks across the fleet.
 	onView func(*fleet)
 	// onLayoutRead, if set, is called at the start of every reading of a
-	// Cluster's layout, which tests count.
-	onLayoutRead func()
+	// Cluster's layout with the nodes it asks, in the order it asks them
+	// (a node is asked only if those before it failed or were slow).
+	onLayoutRead func(order []string)
 }
 
 // Errors returned by New and Limiter methods. Test for them with errors.Is.

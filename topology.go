@@ -214,9 +214,6 @@ const layoutHedge = 4
 // until ctx ends. With a slot (not -1), it returns at the first answer
 // that names a master of that slot that is neither.
 func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *layout {
-	if lim.cfg.onLayoutRead != nil {
-		lim.cfg.onLayoutRead()
-	}
 	seen := map[string]bool{}
 	var addrs []string
 	add := func(a string) {
@@ -263,6 +260,9 @@ func (lim *Limiter) readLayout(ctx context.Context, suspect string, slot int) *l
 				}
 			}
 		}
+	}
+	if lim.cfg.onLayoutRead != nil {
+		lim.cfg.onLayoutRead(slices.Clone(live))
 	}
 	began := time.Now()
 	type reply struct {
