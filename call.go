@@ -20,7 +20,9 @@ const (
 	// Redis may still run it.
 	unanswered
 	// down: the node could not decide: its breaker is not closed, it
-	// failed, or it answered that it cannot (LOADING, READONLY, OOM, ...).
+	// failed, or it answered that it cannot (LOADING, READONLY, OOM, ...)
+	// or with any error not about the key (a refused handshake, an ACL, a
+	// proxy's own error: remote.IsKeyError).
 	down
 	// broken: down, found at once: the connection the call went out on
 	// was closed or reset, as pooled connections are after a restart, a
@@ -273,7 +275,8 @@ func (lim *Limiter) classify(ctx context.Context, err error, budget time.Duratio
 		// Not even sent within the budget: the node's pipe is stuck on
 		// calls it does not answer.
 		return down, judged
-	case errors.Is(err, remote.ErrReply) || !remote.IsFailure(err):
+	case errors.Is(err, remote.ErrReply) || remote.IsKeyError(err):
+		// About the key, not the node: another key may well succeed.
 		return badValue, breaker.Success
 	case remote.IsBrokenConn(err):
 		return broken, breaker.Failure

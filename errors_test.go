@@ -8,6 +8,9 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
 )
 
 // redis6OOM is what Redis 6 answers a script whose first write meets
@@ -119,5 +122,70 @@ func TestMisconfiguredClientBetweenAnswers(t *testing.T) {
 	}
 	if n := strings.Count(out, "level=ERROR msg=\"hybridlimit: Redis answered MOVED"); n != 1 {
 		t.Errorf("logged the misconfiguration %d times; want once:\n%s", n, out)
+	}
+}
+
+// TestRefusedHandshakeOpensBreaker: rotated credentials (the client's
+// password no longer Redis's) fail every connection's handshake with
+// WRONGPASS. Taken for a healthy node's answer about one key, they kept
+// the breaker closed: every decision dialed a new connection and went to
+// the failure policy, with an Error line each (200 decisions, 203
+// connections, 203 lines). The breaker now opens: decisions go local at
+// once, the prober alone dials, once an open period.
+func TestRefusedHandshakeOpensBreaker(t *testing.T) {
+	m := miniredis.RunT(t)
+	m.RequireUserAuth("app", "new")
+	c := redis.NewClient(&redis.Options{Addr: m.Addr(), Username: "app", Password: "old"})
+	t.Cleanup(func() { c.Close() })
+	var logs syncBuffer
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1000), Instances: 1, Heartbeat: -1,
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	time.Sleep(50 * time.Millisecond) // the first contact's own dials
+	before := m.TotalConnectionCount()
+	for range 200 {
+		if d, err := lim.Allow(context.Background(), "k"); err != nil || d.Mode == ModeRemote {
+			t.Fatalf("Allow = %+v, %v; want the failure policy's decision", d, err)
+		}
+	}
+	if st := lim.Stats().Breakers[m.Addr()]; st == "closed" {
+		t.Errorf("breaker %s after 200 refused handshakes; want it open", st)
+	}
+	if n := m.TotalConnectionCount() - before; n > 20 {
+		t.Errorf("%d connections dialed for 200 decisions; want the breaker to stop them", n)
+	}
+	out := logs.String()
+	if n := strings.Count(out, "level=ERROR"); n > 0 {
+		t.Errorf("%d Error lines; want none, the breaker's Warn says it:\n%s", n, out)
+	}
+	if !strings.Contains(out, "WRONGPASS") {
+		t.Errorf("no log line names the refusal:\n%s", out)
+	}
+}
+
+// TestProxyErrorKeepsBreakerOpen: behind a proxy (Envoy's redis_proxy, a
+// managed Redis's endpoint), Redis away answers the proxy's own error, not
+// a Redis state. Taken for a healthy node's answer, a probe answered so
+// closed the open breaker while Redis was still away, and every decision
+// then paid a round trip for the failure policy's answer.
+func TestProxyErrorKeepsBreakerOpen(t *testing.T) {
+	m, c := miniClient(t)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(100), Instances: 1, Heartbeat: -1,
+		Breaker: BreakerConfig{Failures: 2, OpenFor: 50 * time.Millisecond, Jitter: -1}})
+	ctx := context.Background()
+	m.SetError("no upstream host")
+	for range 2 {
+		lim.Allow(ctx, "k")
+	}
+	if st := lim.Stats().Breakers[m.Addr()]; st != "open" {
+		t.Fatalf("breaker %s after two proxy errors; want open", st)
+	}
+	time.Sleep(300 * time.Millisecond) // several probes, each answered by the proxy
+	if st := lim.Stats().Breakers[m.Addr()]; st == "closed" {
+		t.Errorf("breaker %s while the proxy still answers for a Redis away; want it not closed", st)
+	}
+	m.SetError("")
+	time.Sleep(300 * time.Millisecond)
+	if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+		t.Errorf("Allow once Redis is back = %+v, %v; want remote", d, err)
 	}
 }

@@ -62,6 +62,38 @@ func IsFailure(err error) bool {
 		scriptRefused(rerr.Error())
 }
 
+// IsKeyError reports whether err is Redis's answer about one call's key or
+// the script's run on it rather than about the node: WRONGTYPE, one of the
+// scripts' own error replies (ERR hybridlimit ...), or an error the script
+// met running (Redis 7: ERR user_script:... or user_function:...; Redis 6:
+// ERR Error running script ...) that does not wrap a refusal of the node
+// (OOM, READONLY, NOPERM, ...). A node that answers so is healthy, and a
+// call on another key may well succeed. Any other error reply means the
+// node cannot decide for the limiter: a handshake refused (WRONGPASS,
+// NOAUTH: rotated credentials), an ACL (NOPERM), a command the server does
+// not run, or a proxy's own error when its backend is away ("no upstream
+// host"); so do the states IsFailure lists.
+func IsKeyError(err error) bool {
+	var rerr redis.Error
+	if !errors.As(err, &rerr) {
+		return false
+	}
+	if redis.HasErrorPrefix(rerr, "WRONGTYPE") {
+		return true
+	}
+	msg := rerr.Error()
+	if !strings.HasPrefix(msg, "ERR ") || scriptRefused(msg) {
+		return false
+	}
+	for _, wrapped := range [...]string{"-NOPERM ", "-NOAUTH ", "-WRONGPASS ", "-BUSY ", "-LOADING ", "-MASTERDOWN ", "-CLUSTERDOWN ", "-TRYAGAIN "} {
+		if strings.Contains(msg, wrapped) {
+			return false
+		}
+	}
+	return strings.HasPrefix(msg, "ERR hybridlimit ") || strings.Contains(msg, "user_script") ||
+		strings.Contains(msg, "user_function") || strings.Contains(msg, "Error running script")
+}
+
 // scriptRefused reports whether msg is Redis 6's report of a write that a
 // script's redis.call met on a node that cannot decide: before Redis 7 the
 // refusal's code comes wrapped, as "ERR Error running script (call to

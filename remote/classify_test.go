@@ -90,6 +90,40 @@ func TestIsFailure(t *testing.T) {
 	}
 }
 
+// TestIsKeyError: only what is about one call's key or its script's run
+// leaves the node healthy; an error reply about the node or the connection
+// (credentials, ACLs, a proxy's own error, an unknown command) does not.
+func TestIsKeyError(t *testing.T) {
+	for _, tt := range []struct {
+		err error
+		key bool
+	}{
+		{errWrongType, true},
+		{fmt.Errorf("remote: %w", errWrongType), true},
+		{serverError("ERR hybridlimit bucket: bad time"), true},
+		{serverError("ERR user_script:1: Script attempted to access nonexistent global variable 'x' script: 1234, on @user_script:1."), true},
+		{serverError("ERR user_function:1: attempt to compare nil with number"), true},
+		{serverError("ERR Error running script (call to f_0123): @user_script:7: user_script:7: attempt to perform arithmetic on a nil value"), true},
+		{serverError("ERR Error running script (call to f_0123): @user_script:1: -OOM command not allowed when used memory > 'maxmemory'."), false},
+		{serverError("ERR Error running script (call to f_0123): @user_script:1: -NOPERM this user has no permissions to access one of the keys used as arguments"), false},
+		{serverError("WRONGPASS invalid username-password pair or user is disabled."), false},
+		{serverError("NOAUTH Authentication required."), false},
+		{serverError("NOPERM this user has no permissions to access one of the keys used as arguments"), false},
+		{serverError("ERR unknown command 'evalsha', with args beginning with: "), false},
+		{serverError("no upstream host"), false},
+		{serverError("ERR max number of clients reached"), false},
+		{serverError("LOADING Redis is loading the dataset in memory"), false},
+		{redis.Nil, false},
+		{io.EOF, false},
+		{context.DeadlineExceeded, false},
+		{nil, false},
+	} {
+		if got := IsKeyError(tt.err); got != tt.key {
+			t.Errorf("IsKeyError(%v) = %v; want %v", tt.err, got, tt.key)
+		}
+	}
+}
+
 // TestIsFailureGoRedis classifies errors as go-redis returns them, from a
 // fake server on an in-memory net.Pipe.
 func TestIsFailureGoRedis(t *testing.T) {
