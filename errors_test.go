@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -187,5 +188,48 @@ func TestProxyErrorKeepsBreakerOpen(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
 		t.Errorf("Allow once Redis is back = %+v, %v; want remote", d, err)
+	}
+}
+
+// panicObserver panics once, on the first breaker opening it is told of:
+// a bug in a user's Observer.
+type panicObserver struct{ armed atomic.Bool }
+
+func (o *panicObserver) ObserveDecision(DecisionEvent) {}
+func (o *panicObserver) ObserveBreaker(e BreakerEvent) {
+	if e.To == "open" && o.armed.CompareAndSwap(true, false) {
+		panic("observer bug")
+	}
+}
+
+// TestPanickingObserverLeavesProberAwake: an Observer that panics on a
+// breaker's opening (the panic recovered by the caller, as net/http does)
+// took the prober's wake-up with it: the prober, asleep while every
+// breaker was closed, never probed, and decisions stayed local after
+// Redis was back (2 s later, with OpenFor 50 ms).
+func TestPanickingObserverLeavesProberAwake(t *testing.T) {
+	m, c := miniClient(t)
+	obs := &panicObserver{}
+	obs.armed.Store(true)
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(100), Instances: 1, Heartbeat: -1, Observer: obs,
+		Logger:  slog.New(slog.DiscardHandler),
+		Breaker: BreakerConfig{Failures: 2, OpenFor: 50 * time.Millisecond, Jitter: -1}})
+	ctx := context.Background()
+	time.Sleep(50 * time.Millisecond) // the prober sleeps: every breaker closed
+	m.SetError("LOADING Redis is loading the dataset in memory")
+	panicked := false
+	for range 2 {
+		func() {
+			defer func() { panicked = panicked || recover() != nil }()
+			lim.Allow(ctx, "k")
+		}()
+	}
+	if !panicked {
+		t.Fatal("the Observer never panicked: the test proves nothing")
+	}
+	m.SetError("")
+	time.Sleep(500 * time.Millisecond)
+	if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+		t.Errorf("Allow 500 ms after Redis is back (OpenFor 50 ms) = %+v, %v; want remote", d, err)
 	}
 }

@@ -343,17 +343,9 @@ func (lim *Limiter) newNode(addr string, c *redis.Client) *node {
 		Probes:   uint32(b.Probes),
 		Rand:     lim.cfg.rand,
 		OnStateChange: func(name string, from, to breaker.State) {
-			args := []any{"limiter", lim.cfg.Name, "node", name, "from", from.String(), "to", to.String(),
-				"policy", lim.cfg.OnFailure.String()}
-			if e := nd.lastErr.Load(); e != nil && to == breaker.StateOpen {
-				args = append(args, "err", *e)
-			}
-			lim.cfg.Logger.Warn("hybridlimit: breaker state changed", args...)
-			if lim.cfg.Observer != nil {
-				lim.cfg.Observer.ObserveBreaker(BreakerEvent{
-					Limiter: lim.cfg.Name, Node: name, From: from.String(), To: to.String(),
-				})
-			}
+			// The limiter's own wake-ups first: a Logger or an Observer of
+			// the user's that panics must not leave the prober asleep
+			// while the breaker is open (decisions local for good).
 			switch to {
 			case breaker.StateClosed:
 				select {
@@ -365,6 +357,17 @@ func (lim *Limiter) newNode(addr string, c *redis.Client) *node {
 				case lim.opened <- struct{}{}:
 				default: // the prober is awake already
 				}
+			}
+			args := []any{"limiter", lim.cfg.Name, "node", name, "from", from.String(), "to", to.String(),
+				"policy", lim.cfg.OnFailure.String()}
+			if e := nd.lastErr.Load(); e != nil && to == breaker.StateOpen {
+				args = append(args, "err", *e)
+			}
+			lim.cfg.Logger.Warn("hybridlimit: breaker state changed", args...)
+			if lim.cfg.Observer != nil {
+				lim.cfg.Observer.ObserveBreaker(BreakerEvent{
+					Limiter: lim.cfg.Name, Node: name, From: from.String(), To: to.String(),
+				})
 			}
 		},
 	})
