@@ -286,8 +286,10 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 // refunded and ErrorHandler writes the response.
 func (m *Middleware) failed(ctx context.Context, w http.ResponseWriter, r *http.Request, grants []grant, err error) bool {
 	level := slog.LevelError
-	if errors.Is(err, context.DeadlineExceeded) {
-		level = slog.LevelDebug // the request's deadline passed: not a bug
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, hybridlimit.ErrClosed) {
+		// The request's deadline passed, or the server is shutting down
+		// (every request then, until it stops): not a bug.
+		level = slog.LevelDebug
 	}
 	m.log.Log(ctx, level, "httplimit: rule could not decide", "method", r.Method, "path", r.URL.Path,
 		"err", err, "pass", m.pass)

@@ -405,8 +405,9 @@ func TestShadow(t *testing.T) {
 }
 
 // TestErrors: a rule that cannot decide gets a generic 500 that leaks
-// nothing, the tokens of the rules before it back, and a log line; with
-// PassOnError it is skipped.
+// nothing, the tokens of the rules before it back, and a log line, at
+// Error but for a closed Limiter (a server shutting down answers every
+// request so until it stops: at Debug); with PassOnError it is skipped.
 func TestErrors(t *testing.T) {
 	lim := newLimiter(t, hybridlimit.Config{
 		Limit: hybridlimit.Limit{Rate: 1, Burst: 3},
@@ -424,26 +425,27 @@ func TestErrors(t *testing.T) {
 		name   string
 		rule   Rule
 		log    string
+		level  string
 		status int
 		body   string
 	}{
-		{"closed", Rule{Name: "c", Limiter: closed, Key: perIP}, "limiter closed", 503, "service unavailable\n"},
-		{"key", Rule{Name: "k", Limiter: lim, Key: failing}, "secret-key-error", 500, "internal server error\n"},
-		{"limit", Rule{Name: "bad", Limiter: lim, Key: perIP}, "invalid limit", 500, "internal server error\n"},
+		{"closed", Rule{Name: "c", Limiter: closed, Key: perIP}, "limiter closed", "DEBUG", 503, "service unavailable\n"},
+		{"key", Rule{Name: "k", Limiter: lim, Key: failing}, "secret-key-error", "ERROR", 500, "internal server error\n"},
+		{"limit", Rule{Name: "bad", Limiter: lim, Key: perIP}, "invalid limit", "ERROR", 500, "internal server error\n"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var logs bytes.Buffer
 			ip := Rule{Name: "ip-" + tc.name, Limiter: lim, Key: perIP}
 			h, served := newHandler(t, Config{Rules: []Rule{ip, tc.rule},
-				Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+				Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
 			resp := get(h, "192.0.2.1:1")
 			b := body(resp)
 			if resp.StatusCode != tc.status || b != tc.body || served.Load() != 0 {
 				t.Errorf("response %d %q, served %d; want %d %q, not served",
 					resp.StatusCode, b, served.Load(), tc.status, tc.body)
 			}
-			if !strings.Contains(logs.String(), tc.log) {
-				t.Errorf("log %q; want it to hold %q", logs.String(), tc.log)
+			if !strings.Contains(logs.String(), tc.log) || !strings.Contains(logs.String(), "level="+tc.level) {
+				t.Errorf("log %q; want it to hold %q at %s", logs.String(), tc.log, tc.level)
 			}
 			// The ip rule's token was given back: a full bucket.
 			h, _ = newHandler(t, Config{Rules: []Rule{ip}})
