@@ -3,9 +3,18 @@ package hybridlimit
 import "time"
 
 // Observer is told of every decision and every breaker state change, for
-// metrics and logs. Its methods are called on the deciding goroutine,
-// never while the limiter holds a lock; they must be quick and safe for
-// concurrent use. A nil Config.Observer costs nothing.
+// metrics and logs. ObserveDecision is called on the deciding goroutine,
+// ObserveBreaker on the goroutine whose call changed the state (a
+// decision's, or the prober's), never while the limiter holds a lock; they
+// must be quick and safe for concurrent use. A nil Config.Observer costs
+// nothing.
+//
+// Every decision that returns without an error is one DecisionEvent: Allow,
+// AllowN and AllowAtMost one each, WaitN one per try (a try whose tokens it
+// then gives back, its deadline too close, counts as allowed). A call that
+// returns an error (ErrInvalidN, ErrInvalidKey, ErrClosed, the caller's
+// context) makes none, nor do Refund, Peek, Reset, and the limiter's own
+// charges and probes.
 type Observer interface {
 	ObserveDecision(DecisionEvent)
 	ObserveBreaker(BreakerEvent)
@@ -17,15 +26,15 @@ type DecisionEvent struct {
 	Limiter  string        // Config.Name
 	Mode     Mode          // who decided
 	Allowed  bool          // as returned (true for a shadowed denial)
-	Shadowed bool          // denied by the limit, let through by Config.Shadow
-	N        int64         // tokens asked for
+	Shadowed bool          // granted less than asked (denied, or an AllowAtMost short of n), let through by Config.Shadow
+	N        int64         // tokens asked for (for AllowAtMost, at most the limit's burst)
 	Latency  time.Duration // from the call to the decision
 }
 
 // BreakerEvent describes a breaker state change of one Redis node.
 type BreakerEvent struct {
 	Limiter  string // Config.Name
-	Node     string // the node's address
+	Node     string // the node's address ("FailoverClient" for a Sentinel client, "redis" for a wrapper of unknown kind)
 	From, To string // "closed", "half-open" or "open"
 }
 

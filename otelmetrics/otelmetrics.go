@@ -37,7 +37,8 @@
 // state (a local bucket, or what Redis last said of the key),
 // hybridlimit.fleet.instances the live instances the last heartbeat saw,
 // and hybridlimit.local.share is the part of every limit this instance
-// holds while Redis is away, in (0, 1].
+// holds while Redis is away, in [0, 1] (0 before its first heartbeat when
+// Config.Instances is unset: FailLocal then denies).
 //
 // Recording a decision looks up attribute sets built once per limiter and
 // mode, and allocates nothing of its own.
