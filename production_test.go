@@ -703,58 +703,44 @@ func closesWithinAMinute(t *testing.T, lim *Limiter, what string, resume func())
 // TestCloseWithUnboundedReadTimeout: a client whose ReadTimeout is -1 (no
 // socket deadline) and whose Redis hangs: decisions still go local within
 // their budget, and Close must return, not wait for a read that only the
-// user's client could end (it never does).
+// user's client could end (it never does). Also through a wrapper that
+// hides the client's options, as a user's instrumentation may: Close
+// waited there, as for a client known to bound its reads, for as long as
+// Redis hung; a client whose options are not known is now taken for one
+// that may bound nothing.
 func TestCloseWithUnboundedReadTimeout(t *testing.T) {
-	bubble(t, func(t *testing.T) {
-		c, link := unboundedClient(t)
-		lim, err := New(Config{Redis: c, Limit: PerSecond(10), Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx := context.Background()
-		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("Allow = %+v, %v; want remote", d, err)
-		}
-		time.Sleep(2 * time.Second) // the first contact (warm) is over
-		link.Hang()
-		t.Cleanup(link.Resume)
-		start := time.Now()
-		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeLocal || time.Since(start) > 51*time.Millisecond {
-			t.Fatalf("Allow into a hung Redis = %+v, %v after %v; want local within 50ms", d, err, time.Since(start))
-		}
-		closesWithinAMinute(t, lim, "Redis hung", link.Resume)
-	})
+	for _, wrap := range []bool{false, true} {
+		t.Run(map[bool]string{false: "client", true: "wrapped"}[wrap], func(t *testing.T) {
+			bubble(t, func(t *testing.T) {
+				c, link := unboundedClient(t)
+				var rc redis.UniversalClient = c
+				if wrap {
+					rc = hidden{c}
+				}
+				lim, err := New(Config{Redis: rc, Limit: PerSecond(10), Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
+				if err != nil {
+					t.Fatal(err)
+				}
+				ctx := context.Background()
+				if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+					t.Fatalf("Allow = %+v, %v; want remote", d, err)
+				}
+				time.Sleep(2 * time.Second) // the first contact (warm) is over
+				link.Hang()
+				t.Cleanup(link.Resume)
+				start := time.Now()
+				if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeLocal || time.Since(start) > 51*time.Millisecond {
+					t.Fatalf("Allow into a hung Redis = %+v, %v after %v; want local within 50ms", d, err, time.Since(start))
+				}
+				closesWithinAMinute(t, lim, "Redis hung", link.Resume)
+			})
+		})
+	}
 }
 
 // hidden is a wrapper of a client that hides its options, as a user's
 // instrumentation wrapper may.
 type hidden struct{ redis.UniversalClient }
-
-// TestCloseWithAWrappedClient: the same, through a wrapper that hides the
-// client's options. Close waited, as for a client known to bound its
-// reads, for as long as Redis hung: a client whose options are not known
-// is now taken for one that may bound nothing.
-func TestCloseWithAWrappedClient(t *testing.T) {
-	bubble(t, func(t *testing.T) {
-		c, link := unboundedClient(t)
-		lim, err := New(Config{Redis: hidden{c}, Limit: PerSecond(10), Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ctx := context.Background()
-		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
-			t.Fatalf("Allow = %+v, %v; want remote", d, err)
-		}
-		time.Sleep(2 * time.Second)
-		link.Hang()
-		t.Cleanup(link.Resume)
-		start := time.Now()
-		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeLocal || time.Since(start) > 51*time.Millisecond {
-			t.Fatalf("Allow into a hung Redis = %+v, %v after %v; want local within 50ms", d, err, time.Since(start))
-		}
-		closesWithinAMinute(t, lim, "Redis hung, through a wrapper", link.Resume)
-	})
-}
 
 // TestCloseDuringFirstContactWithUnboundedReadTimeout: a client whose
 // ReadTimeout is -1 against a Redis that hangs from the start: the first
