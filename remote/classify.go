@@ -31,6 +31,9 @@ import (
 // means the remote path does not work.
 //
 // context.Canceled is never a failure: only a caller cancels.
+//
+// A call of the limiter's scripts asks more of an error reply: unless it
+// is about the call's key (IsKeyError), the node cannot decide for it.
 func IsFailure(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) {
 		return false
