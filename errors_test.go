@@ -233,3 +233,32 @@ func TestPanickingObserverLeavesProberAwake(t *testing.T) {
 		t.Errorf("Allow 500 ms after Redis is back (OpenFor 50 ms) = %+v, %v; want remote", d, err)
 	}
 }
+
+// TestOutageLogsTwoLines: an outage is one Warn line when the breaker
+// opens and one Info line when it closes again; the open periods and
+// probes between go at Debug. At Warn each of them was a line, about
+// seven a second per node and instance for the whole outage.
+func TestOutageLogsTwoLines(t *testing.T) {
+	withRedis(t, func(t *testing.T, r *testRedis) {
+		var logs syncBuffer
+		lim := newLimiter(t, Config{Redis: r.client(t), Limit: PerSecond(100), Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond,
+			Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo}))})
+		ctx := context.Background()
+		lim.Allow(ctx, "k")
+		r.pause(t)
+		for range 100 { // 10 s of decisions into a paused Redis
+			lim.Allow(ctx, "k")
+			time.Sleep(100 * time.Millisecond)
+		}
+		r.resume(t)
+		time.Sleep(2 * time.Second)
+		if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+			t.Fatalf("Allow after the outage = %+v, %v; want remote", d, err)
+		}
+		out := logs.String()
+		warn, info := strings.Count(out, "level=WARN msg=\"hybridlimit: breaker state changed\""), strings.Count(out, "level=INFO msg=\"hybridlimit: breaker state changed\"")
+		if warn != 1 || info != 1 || !strings.Contains(out, "from=closed to=open") || !strings.Contains(out, "to=closed") {
+			t.Errorf("a 10 s outage logged %d Warn and %d Info breaker lines; want one of each, the opening and the closing:\n%s", warn, info, out)
+		}
+	})
+}

@@ -89,7 +89,8 @@ func leakCheck(t *testing.T) {
 
 // logRecorder is an slog.Handler that keeps every record at Warn and above.
 type logRecorder struct {
-	// info keeps Info records too, for a failure's explanation.
+	// info keeps every record, Info and Debug too: the breaker's
+	// transitions between its probes, and a failure's explanation.
 	info bool
 
 	mu   sync.Mutex
@@ -104,7 +105,7 @@ type logRec struct {
 }
 
 func (h *logRecorder) Enabled(_ context.Context, l slog.Level) bool {
-	return l >= slog.LevelWarn || h.info && l >= slog.LevelInfo
+	return l >= slog.LevelWarn || h.info
 }
 func (h *logRecorder) WithAttrs([]slog.Attr) slog.Handler { return h }
 func (h *logRecorder) WithGroup(string) slog.Handler      { return h }

@@ -31,6 +31,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"math/rand/v2"
 	"strconv"
@@ -363,7 +364,17 @@ func (lim *Limiter) newNode(addr string, c *redis.Client) *node {
 			if e := nd.lastErr.Load(); e != nil && to == breaker.StateOpen {
 				args = append(args, "err", *e)
 			}
-			lim.cfg.Logger.Warn("hybridlimit: breaker state changed", args...)
+			// Warn when the node is lost, Info when it is back; the
+			// probes between (open, half-open, open again: about seven a
+			// second for the whole outage) at Debug.
+			level := slog.LevelDebug
+			switch {
+			case from == breaker.StateClosed:
+				level = slog.LevelWarn
+			case to == breaker.StateClosed:
+				level = slog.LevelInfo
+			}
+			lim.cfg.Logger.Log(context.Background(), level, "hybridlimit: breaker state changed", args...)
 			if lim.cfg.Observer != nil {
 				lim.cfg.Observer.ObserveBreaker(BreakerEvent{
 					Limiter: lim.cfg.Name, Node: name, From: from.String(), To: to.String(),
