@@ -199,6 +199,7 @@ type heart struct {
 	k        int64     // the window counted next, or reported next
 	end      time.Time // window k's end, on this machine's clock
 	counting bool      // the next step counts window k; else it reports it
+	sending  string    // the master the report in flight was sent to (heart.master)
 
 	due time.Time // the next step's time
 	at  int       // index in the pacer's heap; -1 if not in it
@@ -254,10 +255,28 @@ func (h *heart) mine(w int64) int64 {
 }
 
 // taken returns whether Redis took this instance's report in window w, and
-// under which mark.
-func (h *heart) taken(w int64) (bool, int64) {
+// under which mark; on a Cluster, only if the master that took it still
+// holds the heartbeats' slot, as master names it.
+func (h *heart) taken(w int64, master string) (bool, int64) {
 	r := h.sent[w%4]
-	return r.window == w && r.taken, r.mark
+	return r.window == w && r.taken && r.master == master, r.mark
+}
+
+// master returns the address of the master of the heartbeats' slot, as
+// the Cluster client's loaded layout says, "" for a single Redis. A
+// replica that took over may lack the last reports its master took (the
+// replication's lag), under the same mark: a report taken by another
+// master than the one that holds the slot now is counted out.
+func (h *heart) master() string {
+	lim := h.lim
+	if lim.cluster == nil {
+		return ""
+	}
+	c, err := lim.cluster.MasterForKey(lim.ctx, lim.fleetKey())
+	if err != nil {
+		return "?"
+	}
+	return c.Options().Addr
 }
 
 // beat returns the heartbeat that reports window k: it reads window k-2,
@@ -265,8 +284,9 @@ func (h *heart) taken(w int64) (bool, int64) {
 // weigh), with a ticket in each where it was not counted.
 func (h *heart) beat() remote.Beat {
 	before := h.lim.view.Load().known < h.k-3
-	in, mark := h.taken(h.k - 2)
-	bin, bmark := h.taken(h.k - 3)
+	h.sending = h.master()
+	in, mark := h.taken(h.k-2, h.sending)
+	bin, bmark := h.taken(h.k-3, h.sending)
 	return remote.Beat{Base: h.lim.fleetKey(), Window: h.k, Offered: h.offered, Every: h.every,
 		Ticket: !in, Mark: mark, Before: before, BeforeTicket: before && !bin, BeforeMark: bmark}
 }
@@ -323,15 +343,16 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 		h.skew = time.UnixMilli(b.Heartbeat.Now).Sub(sent.Add(rtt / 2))
 		taken, mark = b.Heartbeat.Taken, b.Heartbeat.Mark
 	}
-	h.sent[h.k%4] = report{window: h.k, tokens: min(h.offered, remote.MaxReport), taken: taken, mark: mark}
+	h.sent[h.k%4] = report{window: h.k, tokens: min(h.offered, remote.MaxReport), taken: taken, mark: mark, master: h.sending}
 	h.nextWindow(got)
 }
 
 // report is one heartbeat's report, as this instance remembers it.
 type report struct {
 	window, tokens int64
-	taken          bool  // Redis said it counted it
-	mark           int64 // if taken, the mark of the sum it went into
+	taken          bool   // Redis said it counted it
+	mark           int64  // if taken, the mark of the sum it went into
+	master         string // on a Cluster, the heartbeats' master when it was sent
 }
 
 // pacer runs the hearts of the Limiters that share one Redis client, in

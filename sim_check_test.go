@@ -316,7 +316,7 @@ func TestSimFloorIgnoresCallsToLeftInstances(t *testing.T) {
 // beyond the first 2,000"): each must pass every invariant. 3186 and 3480
 // fail reconcile-undercharge without local.Shares.Hold.
 func TestSimFoundSeeds(t *testing.T) {
-	for _, seed := range []uint64{3186, 3480, 3842, 4204, 6202, 7742, 10934, 11683, 13890} {
+	for _, seed := range []uint64{512, 1581, 2952, 3186, 3480, 3842, 4204, 6202, 7742, 10934, 11683, 13890} {
 		v, _ := simulate(t, genSchedule(seed))
 		for _, name := range invariants {
 			if msgs := v[name]; len(msgs) > 0 {
