@@ -272,6 +272,9 @@ func (h *heart) master() string {
 	if lim.cluster == nil {
 		return ""
 	}
+	if !lim.mapped.Load() {
+		return "?" // MasterForKey would load the layout, waiting on the network
+	}
 	c, err := lim.cluster.MasterForKey(lim.ctx, lim.fleetKey())
 	if err != nil {
 		return "?"
