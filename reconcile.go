@@ -263,7 +263,8 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) bool {
 			mu.Lock()
 			defer mu.Unlock()
 			if o == badValue {
-				// Redis refused it with an error (an ACL, say): it took
+				// Redis refused it with an error about the key (WRONGTYPE, a
+				// script error; remote.IsKeyError): it took
 				// nothing and would refuse it again. Kept pending, its own
 				// answer would ask for the next pass (see send): a pass
 				// and a refusal every reconcileAfter. It stays owed, for
