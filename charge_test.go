@@ -574,6 +574,62 @@ func TestProbeReconcileMeetsAHang(t *testing.T) {
 	})
 }
 
+// TestProbeSuccessCountedBeforeItsPass: with Probes 2, the breaker
+// counts consecutive successes across the prober's passes, and a pass that
+// ends on a probe that says nothing of the node (a MOVED, an ASK, a
+// time-out while cold) leaves its count standing: the next pass's first
+// success then closes the breaker. It must have charged Redis with the
+// local spending first, or the decisions after the close take from a
+// bucket that refilled all through the outage. The success of the earlier
+// pass is the test's own half-open ticket.
+func TestProbeSuccessCountedBeforeItsPass(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		limit := Limit{Rate: 0.01, Burst: 10}
+		const openFor = 50 * time.Millisecond
+		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond,
+			Breaker: BreakerConfig{Failures: 1, OpenFor: openFor, Jitter: -1, Probes: 2}})
+		ctx := context.Background()
+		r.decideRemote(t, "k")
+		r.link.Refuse(true)
+		r.link.Reset()
+		for range 5 {
+			if d, err := r.lim.Allow(ctx, "k"); err != nil || !d.Allowed || d.Mode != ModeLocal {
+				t.Fatalf("Allow during the outage = %+v, %v; want a local admission", d, err)
+			}
+		}
+		nd := r.lim.single
+		if nd.cb.State() != breaker.StateOpen {
+			t.Fatalf("breaker %v; want open", nd.cb.State())
+		}
+		r.link.Refuse(false)
+		// Every reply a millisecond late: a charge sent once the breaker
+		// closed cannot have landed before the test looks.
+		r.link.SetLatency(time.Millisecond)
+		time.Sleep(time.Until(nd.cb.OpenUntil()) + time.Millisecond)
+		earlier, ok := nd.cb.Allow() // before the prober's next tick
+		if !ok {
+			t.Fatal("no half-open ticket at the end of the open period")
+		}
+		time.Sleep(20 * time.Millisecond) // the prober's pass: one success, then no ticket left
+		synctest.Wait()
+		if st := nd.cb.State(); st != breaker.StateHalfOpen {
+			t.Fatalf("after the prober's pass: %v; want half-open", st)
+		}
+		earlier.Done(breaker.Success) // the second consecutive success closes
+		if st := nd.cb.State(); st != breaker.StateClosed {
+			t.Fatalf("after two successes: %v; want closed", st)
+		}
+		rl, err := remote.NewLimit(limit.Rate, limit.Burst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := r.charged("k", rl); got < 5-0.5 {
+			t.Errorf("the breaker closed with %.2f of the 5 tokens admitted locally charged to Redis; want all of them", got)
+		}
+		time.Sleep(time.Second) // go-redis's dials refused in the outage end their back-off
+	})
+}
+
 // TestCloseChargesWhatIsOwed: a rolling deploy closes an instance right
 // after a decision of its timed out and was admitted locally, its breaker
 // closed (a latency spike). What it spent is owed to Redis and charged

@@ -16,6 +16,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/internal/simnet"
 	"github.com/hybridlimit/hybridlimit/internal/simredis"
 	"github.com/hybridlimit/hybridlimit/remote"
@@ -54,8 +55,14 @@ func onSimClusterWith(t *testing.T, cfg Config, ctxTimeout bool, before func(*re
 // Cluster client's options (every node of the Cluster as its seeds) before
 // the client is made.
 func onSimClusterOpts(t *testing.T, cfg Config, ctxTimeout bool, opts func(*simredis.Cluster, *redis.ClusterOptions), before func(*redis.ClusterClient)) (*simredis.Cluster, []*simnet.Link, *Limiter) {
+	return onSimClusterOf(t, 3, cfg, ctxTimeout, opts, before)
+}
+
+// onSimClusterOf is onSimClusterOpts with a Cluster of shards shards, the
+// slots split evenly among them.
+func onSimClusterOf(t *testing.T, shards int, cfg Config, ctxTimeout bool, opts func(*simredis.Cluster, *redis.ClusterOptions), before func(*redis.ClusterClient)) (*simredis.Cluster, []*simnet.Link, *Limiter) {
 	t.Cleanup(func() { time.Sleep(30 * time.Second) }) // last
-	cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
+	cl := simredis.NewCluster(shards, func(slot int) int { return slot * shards / remote.Slots })
 	t.Cleanup(cl.Close)
 	links := make([]*simnet.Link, len(cl.Nodes))
 	for i := range links {
@@ -350,6 +357,83 @@ func TestMigrationAfterFailover(t *testing.T) {
 		}
 		if nd.failed.Load() != failed {
 			t.Errorf("%s, the healthy master the slot left, counted a failure", newAddr)
+		}
+	})
+}
+
+// TestZoneOutage: a zone of a Cluster goes dark. 16 of its 24 masters
+// hang at once, every instance's breakers for them open, and a second
+// later the Cluster fails each over to its replica in another zone. While
+// a breaker is open the layout is read every reloadEvery, so every key
+// must be decided by its new master well within a second of the
+// takeovers, as with one master down: the prober must not read the layout
+// only once per round of probes of the hung nodes, each waiting its
+// budget, one after another (16 × Timeout).
+func TestZoneOutage(t *testing.T) {
+	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
+		const shards, hung, timeout = 24, 16, 50 * time.Millisecond
+		cl, links, lim := onSimClusterOf(t, shards, Config{Limit: PerSecond(1000), Timeout: timeout, Heartbeat: -1, Instances: 1}, ctxTimeout, nil, nil)
+		ctx := context.Background()
+		keys := make([]string, shards) // keys[s] is a key of shard s
+		for i := 0; slices.Contains(keys, ""); i++ {
+			if k := fmt.Sprint("z", i); keys[cl.ShardOf(DefaultPrefix+k)] == "" {
+				keys[cl.ShardOf(DefaultPrefix+k)] = k
+			}
+		}
+		time.Sleep(time.Second)
+		for _, k := range keys {
+			if d, err := lim.Allow(ctx, k); err != nil || d.Mode != ModeRemote {
+				t.Fatalf("%s before the fault: %+v, %v; want remote", k, d, err)
+			}
+		}
+		for s := range hung {
+			hangMaster(t, cl, links, s)
+		}
+		var wg sync.WaitGroup
+		for s := range hung {
+			wg.Go(func() { // until the node's breaker opens
+				for range 2 * DefaultBreakerFailures {
+					if _, err := lim.Allow(ctx, keys[s]); err != nil {
+						t.Error(err)
+					}
+				}
+			})
+		}
+		wg.Wait()
+		for s := range hung {
+			if nd := lim.route(DefaultPrefix + keys[s]); nd == nil || nd.cb.State() == breaker.StateClosed {
+				t.Fatalf("shard %d's master hung: its breaker is not open", s)
+			}
+		}
+		time.Sleep(time.Second)
+		start := time.Now()
+		for s := range hung {
+			if err := cl.Takeover(s); err != nil {
+				t.Fatal(err)
+			}
+		}
+		back := make([]time.Duration, hung) // when each key was first decided by Redis again
+		for s := range hung {
+			wg.Go(func() {
+				for time.Since(start) < 5*time.Second {
+					if d, err := lim.Allow(ctx, keys[s]); err == nil && d.Mode == ModeRemote {
+						back[s] = time.Since(start)
+						return
+					}
+					time.Sleep(10 * time.Millisecond)
+				}
+				back[s] = time.Since(start)
+			})
+		}
+		wg.Wait()
+		last := slices.Max(back)
+		t.Logf("%d of %d masters hung, then taken over: their keys back on Redis after %v (first %v)", hung, shards, last, slices.Min(back))
+		// The bound for one master: the next reading, every reloadEvery,
+		// answered in a round trip (replicas are asked first), a reading
+		// begun just before the takeovers to wait out, and the new
+		// master's charge within a decision's budget.
+		if bound := 2*reloadEvery + timeout; last > bound {
+			t.Errorf("the last key of the %d taken-over shards was back on Redis %v after the takeovers; want within %v", hung, last, bound)
 		}
 	})
 }

@@ -246,6 +246,8 @@ type node struct {
 	// made once, by the prober (probePipe).
 	once   sync.Once
 	direct *remote.Pipe
+	// probing is set while the prober's goroutine for the node probes it.
+	probing atomic.Bool
 }
 
 // probe is a key the node owns and its limit: a probe charges it nothing.

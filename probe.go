@@ -41,8 +41,32 @@ func (lim *Limiter) prober() {
 			reloaded = time.Now()
 			lim.relayout()
 		}
-		lim.forNodes(func(nd *node) { lim.probe(lim.ctx, nd) })
+		lim.forNodes(func(nd *node) {
+			// Each node is probed on a goroutine of its own: one after
+			// another, the probes of nodes that do not answer (a zone of
+			// a Cluster gone dark) would each wait their budget, and the
+			// next layout reading, the other nodes' probes with it, would
+			// wait for all of them.
+			if due(nd) && nd.probing.CompareAndSwap(false, true) {
+				lim.wg.Go(func() {
+					defer nd.probing.Store(false)
+					lim.probe(lim.ctx, nd)
+				})
+			}
+		})
 	}
+}
+
+// due reports whether nd's breaker is due for a probe: open past its open
+// period, or half-open.
+func due(nd *node) bool {
+	switch nd.cb.State() {
+	case breaker.StateClosed:
+		return false
+	case breaker.StateOpen:
+		return !time.Now().Before(nd.cb.OpenUntil())
+	}
+	return true
 }
 
 // reloadEvery is how often, while a Cluster node's breaker is not closed,
@@ -115,20 +139,18 @@ func (lim *Limiter) forNodes(fn func(*node)) {
 // or write scripts (OOM, READONLY, BUSY) stays open. Config.Breaker.Probes
 // probes are sent one after another; the first failure reopens the breaker.
 //
-// Before the last probe reports the success that closes the breaker, it
-// charges Redis with the local spending (reconcile): once closed,
-// decisions go to buckets that refilled in Redis time all along, and any
-// decision sent before the charge landed would take from a bucket still
-// full.
+// Before a probe reports its success, it charges Redis with the local
+// spending (reconcile): once closed, decisions go to buckets that refilled
+// in Redis time all along, and any decision sent before the charge landed
+// would take from a bucket still full. Every success charges, not only a
+// pass's last: the breaker counts consecutive successes across passes,
+// and a pass that ends on a probe that says nothing of the node (a MOVED,
+// an ASK) leaves its count standing, so the next pass's first success
+// may be the one that closes.
 func (lim *Limiter) probe(ctx context.Context, nd *node) {
-	for i := 1; ; i++ {
-		switch nd.cb.State() {
-		case breaker.StateClosed:
+	for {
+		if !due(nd) {
 			return
-		case breaker.StateOpen:
-			if time.Now().Before(nd.cb.OpenUntil()) {
-				return
-			}
 		}
 		p := nd.probe.Load()
 		if p == nil {
@@ -148,7 +170,7 @@ func (lim *Limiter) probe(ctx context.Context, nd *node) {
 		for again := 0; o == broken && again < probeRetries && ctx.Err() == nil; again++ {
 			_, o, verdict, _ = lim.send(ctx, nd, pipe, req, budget, false)
 		}
-		if verdict == breaker.Success && i >= lim.cfg.Breaker.Probes && !lim.reconcile(ctx, nd) {
+		if verdict == breaker.Success && !lim.reconcile(ctx, nd) {
 			// The node stopped answering the charges sent after the
 			// probe's answer: its success is no longer evidence. What was
 			// not charged stays pending for the next probe.
