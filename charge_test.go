@@ -173,7 +173,55 @@ func TestUnansweredChargeIsSentAgain(t *testing.T) {
 		if got := r.charged("k", rl); got < 5-0.5 {
 			t.Errorf("Redis was charged %.2f of the 5 tokens admitted locally, 10 s after it answered again", got)
 		}
+		// The first charge went unanswered, the second landed.
+		if st := r.lim.Stats(); st.ChargesFailed != 1 || st.Charges != 2 {
+			t.Errorf("Stats: %d charges, %d failed; want 2, 1 failed", st.Charges, st.ChargesFailed)
+		}
 	})
+}
+
+// TestDecisionEvent: the Observer hears what the caller got: the tokens
+// an AllowAtMost granted, and a denial answered from what Redis said of
+// the key, without a round trip.
+func TestDecisionEvent(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var mu sync.Mutex
+		var evs []DecisionEvent
+		obs := observerFuncs{decision: func(e DecisionEvent) { mu.Lock(); evs = append(evs, e); mu.Unlock() }}
+		r := newChargeRig(t, Config{Limit: Limit{Rate: 0.01, Burst: 3}, Instances: 1, Heartbeat: -1, Observer: obs})
+		<-r.lim.warmed
+		ctx := context.Background()
+		if d, err := r.lim.AllowAtMost(ctx, "k", 5); err != nil || d.Granted != 3 || d.Mode != ModeRemote {
+			t.Fatalf("AllowAtMost(5) = %+v, %v; want 3 granted by Redis", d, err)
+		}
+		if d, err := r.lim.Allow(ctx, "k"); err != nil || d.Allowed || !d.Cached {
+			t.Fatalf("Allow on the empty bucket = %+v, %v; want a cached denial", d, err)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if len(evs) != 2 || evs[0].Granted != 3 || evs[0].N != 3 || evs[0].Cached ||
+			evs[1].Granted != 0 || !evs[1].Cached || evs[1].Allowed {
+			t.Errorf("events %+v; want AllowAtMost's with Granted 3, then a cached denial with Granted 0", evs)
+		}
+	})
+}
+
+// observerFuncs is an Observer of funcs; a nil one is not called.
+type observerFuncs struct {
+	decision func(DecisionEvent)
+	breaker  func(BreakerEvent)
+}
+
+func (o observerFuncs) ObserveDecision(e DecisionEvent) {
+	if o.decision != nil {
+		o.decision(e)
+	}
+}
+
+func (o observerFuncs) ObserveBreaker(e BreakerEvent) {
+	if o.breaker != nil {
+		o.breaker(e)
+	}
 }
 
 // chargeRig is a Limiter on one simulated Redis that counts, per key, the

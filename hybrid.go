@@ -169,6 +169,9 @@ type Limiter struct {
 	onces    uint64     // charges named so far
 	onceBase string     // this Limiter's part of every Once, random
 	rand     *rand.Rand // every random draw of the Limiter, from Config.rand
+	// charges and chargesFailed count the charges of local spending sent
+	// to Redis and those it did not confirm, for Stats.
+	charges, chargesFailed atomic.Uint64
 	// spentLocally is set by the first local decision that granted tokens:
 	// from then on there can be local spending to charge.
 	spentLocally atomic.Bool
@@ -645,7 +648,7 @@ func (lim *Limiter) allowN(ctx context.Context, key string, n, reserve int64, at
 	if lim.cfg.Observer != nil {
 		lim.cfg.Observer.ObserveDecision(DecisionEvent{
 			Limiter: lim.cfg.Name, Mode: d.Mode, Allowed: d.Allowed, Shadowed: d.Shadowed,
-			N: n, Latency: time.Since(start),
+			Cached: d.Cached, N: n, Granted: d.Granted, Latency: time.Since(start),
 		})
 	}
 	return nil

@@ -27,7 +27,9 @@ type DecisionEvent struct {
 	Mode     Mode          // who decided
 	Allowed  bool          // as returned (true for a shadowed denial)
 	Shadowed bool          // granted less than asked (denied, or an AllowAtMost short of n), let through by Config.Shadow
+	Cached   bool          // a denial answered from what Redis said of the key, without a round trip
 	N        int64         // tokens asked for (for AllowAtMost, at most the limit's burst)
+	Granted  int64         // tokens the caller may spend, as Decision.Granted (0 for a denial)
 	Latency  time.Duration // from the call to the decision
 }
 
@@ -51,6 +53,14 @@ type Stats struct {
 	// part of every limit while Redis is away.
 	Fleet  int
 	Weight float64
+	// Charges counts the charges of local spending sent to Redis since
+	// New (one per key and reconciliation), and ChargesFailed those Redis
+	// did not confirm: not answered, refused, or held back because the
+	// key's node stopped answering meanwhile. A failed charge stays owed
+	// and goes again; ChargesFailed growing while every breaker is
+	// closed means the spending is not reaching Redis (an ACL that
+	// refuses the charge's key, a script error).
+	Charges, ChargesFailed uint64
 }
 
 // Stats returns a snapshot of the limiter's state. It takes a lock per
@@ -58,10 +68,12 @@ type Stats struct {
 func (lim *Limiter) Stats() Stats {
 	v := lim.view.Load()
 	st := Stats{
-		LocalKeys: lim.shares.Len(),
-		Breakers:  map[string]string{},
-		Fleet:     v.size,
-		Weight:    v.weight,
+		LocalKeys:     lim.shares.Len(),
+		Breakers:      map[string]string{},
+		Fleet:         v.size,
+		Weight:        v.weight,
+		Charges:       lim.charges.Load(),
+		ChargesFailed: lim.chargesFailed.Load(),
 	}
 	add := func(nd *node) { st.Breakers[nd.addr] = nd.cb.State().String() }
 	if lim.single != nil {

@@ -285,6 +285,8 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) bool {
 		})
 	}
 	wg.Wait()
+	lim.charges.Add(uint64(len(charges)))
+	lim.chargesFailed.Add(uint64(failed))
 	lim.cfg.Logger.Info("hybridlimit: charged Redis for local spending",
 		"limiter", lim.cfg.Name, "keys", len(charges), "failed", failed)
 	return probing == nil || !troubled[probing]

@@ -15,6 +15,7 @@
 //	hybridlimit.local.keys           gauge      {key}         hybridlimit.limiter
 //	hybridlimit.fleet.instances      gauge      {instance}    hybridlimit.limiter
 //	hybridlimit.local.share          gauge      1             hybridlimit.limiter
+//	hybridlimit.charges              counter    {charge}      hybridlimit.limiter, hybridlimit.charge.outcome
 //
 // The attributes take these values:
 //
@@ -25,7 +26,9 @@
 //     that Config.Shadow let through;
 //   - hybridlimit.node: the Redis node's address;
 //   - hybridlimit.breaker.from, hybridlimit.breaker.to: "closed",
-//     "half-open" or "open".
+//     "half-open" or "open";
+//   - hybridlimit.charge.outcome: "confirmed", or "failed" for a charge
+//     Redis did not confirm (it stays owed and goes again).
 //
 // hybridlimit.decisions counts decisions, not tokens. The duration
 // histogram's bucket boundaries run from 50µs to 100ms (0.00005, 0.0001,
@@ -39,6 +42,11 @@
 // and hybridlimit.local.share is the part of every limit this instance
 // holds while Redis is away, in [0, 1] (0 before its first heartbeat when
 // Config.Instances is unset: FailLocal then denies).
+// hybridlimit.charges counts the charges of local spending sent to Redis
+// when it answers again (Stats.Charges, one per key and reconciliation);
+// failed charges that keep growing while every breaker is closed mean the
+// spending during outages is not reaching Redis (an ACL that refuses the
+// charge's key, a script error).
 //
 // Recording a decision looks up attribute sets built once per limiter and
 // mode, and allocates nothing of its own.
@@ -69,6 +77,8 @@ const (
 	keyNode    = attribute.Key("hybridlimit.node")
 	keyFrom    = attribute.Key("hybridlimit.breaker.from")
 	keyTo      = attribute.Key("hybridlimit.breaker.to")
+
+	keyChargeOutcome = attribute.Key("hybridlimit.charge.outcome")
 )
 
 // Outcomes, the values of hybridlimit.outcome, index modeSets.decisions.
@@ -118,6 +128,7 @@ type Observer struct {
 	localKeys    metric.Int64ObservableGauge
 	fleet        metric.Int64ObservableGauge
 	share        metric.Float64ObservableGauge
+	charges      metric.Int64ObservableCounter
 
 	sets atomic.Pointer[map[setKey]*modeSets] // copy on write
 	mu   sync.Mutex                           // serializes writers of sets
@@ -159,7 +170,7 @@ func New(mp metric.MeterProvider, opts ...Option) (*Observer, error) {
 	}
 	m := mp.Meter(ScopeName)
 	o := &Observer{meter: m}
-	var errs [7]error
+	var errs [8]error
 	o.decisions, errs[0] = m.Int64Counter("hybridlimit.decisions",
 		metric.WithUnit("{decision}"),
 		metric.WithDescription("Rate-limit decisions, by who decided and the outcome."))
@@ -182,6 +193,9 @@ func New(mp metric.MeterProvider, opts ...Option) (*Observer, error) {
 	o.share, errs[6] = m.Float64ObservableGauge("hybridlimit.local.share",
 		metric.WithUnit("1"),
 		metric.WithDescription("Part of every limit this instance holds while Redis is away."))
+	o.charges, errs[7] = m.Int64ObservableCounter("hybridlimit.charges",
+		metric.WithUnit("{charge}"),
+		metric.WithDescription("Charges of local spending sent to Redis when it answers again, by whether Redis confirmed them."))
 	if err := errors.Join(errs[:]...); err != nil {
 		return nil, fmt.Errorf("otelmetrics: %w", err)
 	}
@@ -246,7 +260,8 @@ func (o *Observer) setsFor(limiter string, mode hybridlimit.Mode) *modeSets {
 
 // Register adds observable gauges read from lim.Stats() on each
 // collection: breaker state per node (0 closed, 1 half-open, 2 open),
-// local keys held, fleet size, local share weight. Returns a registration
+// local keys held, fleet size, local share weight, and the charges of
+// local spending, confirmed and failed. Returns a registration
 // to Unregister.
 //
 // The gauges' hybridlimit.limiter attribute is lim.Name(). Register each
@@ -258,6 +273,8 @@ func (o *Observer) Register(lim *hybridlimit.Limiter) (metric.Registration, erro
 	}
 	l := keyLimiter.String(lim.Name())
 	limOpt := metric.WithAttributeSet(attribute.NewSet(l))
+	confirmedOpt := metric.WithAttributeSet(attribute.NewSet(l, keyChargeOutcome.String("confirmed")))
+	failedOpt := metric.WithAttributeSet(attribute.NewSet(l, keyChargeOutcome.String("failed")))
 	reg, err := o.meter.RegisterCallback(func(_ context.Context, obs metric.Observer) error {
 		st := lim.Stats()
 		for node, state := range st.Breakers {
@@ -270,8 +287,10 @@ func (o *Observer) Register(lim *hybridlimit.Limiter) (metric.Registration, erro
 		obs.ObserveInt64(o.localKeys, int64(st.LocalKeys), limOpt)
 		obs.ObserveInt64(o.fleet, int64(st.Fleet), limOpt)
 		obs.ObserveFloat64(o.share, st.Weight, limOpt)
+		obs.ObserveInt64(o.charges, int64(st.Charges-st.ChargesFailed), confirmedOpt)
+		obs.ObserveInt64(o.charges, int64(st.ChargesFailed), failedOpt)
 		return nil
-	}, o.breakerState, o.localKeys, o.fleet, o.share)
+	}, o.breakerState, o.localKeys, o.fleet, o.share, o.charges)
 	if err != nil {
 		return nil, fmt.Errorf("otelmetrics: %w", err)
 	}

@@ -222,6 +222,12 @@ func TestObserver(t *testing.T) {
 		attrs(lim, "up"): 0.5, attrs(lim, "down"): 0.5,
 	})
 
+	// No charge yet: up never spent locally, down's Redis never answers.
+	checkPoints(t, got["hybridlimit.charges"], "{charge}", map[string]int64{
+		attrs(lim, "up", "hybridlimit.charge.outcome", "confirmed"): 0, attrs(lim, "up", "hybridlimit.charge.outcome", "failed"): 0,
+		attrs(lim, "down", "hybridlimit.charge.outcome", "confirmed"): 0, attrs(lim, "down", "hybridlimit.charge.outcome", "failed"): 0,
+	})
+
 	h := got["hybridlimit.decision.duration"]
 	if h.Unit != "s" {
 		t.Errorf("%s: unit %q; want \"s\"", h.Name, h.Unit)
@@ -261,7 +267,7 @@ func TestObserver(t *testing.T) {
 		t.Errorf("Unregister(down) = %v", err)
 	}
 	got = collect(t, reader)
-	for _, name := range []string{"hybridlimit.breaker.state", "hybridlimit.local.keys", "hybridlimit.fleet.instances", "hybridlimit.local.share"} {
+	for _, name := range []string{"hybridlimit.breaker.state", "hybridlimit.local.keys", "hybridlimit.fleet.instances", "hybridlimit.local.share", "hybridlimit.charges"} {
 		if m, ok := got[name]; ok {
 			t.Errorf("after Unregister: %s = %+v; want nothing", name, m.Data)
 		}
