@@ -118,8 +118,11 @@ func scriptRefused(msg string) bool {
 // key's slot is served at addr, for good (MOVED) or, while the slot
 // migrates, for this key after an ASKING (ask).
 func Redirected(err error) (addr string, ask, ok bool) {
+	if err == nil {
+		return "", false, false // before rerr, which escapes: every answered call asks
+	}
 	var rerr redis.Error
-	if err == nil || !errors.As(err, &rerr) {
+	if !errors.As(err, &rerr) {
 		return "", false, false
 	}
 	if addr, ok := redis.IsMovedError(rerr); ok {

@@ -292,6 +292,19 @@ func TestIsUnsentAllocs(t *testing.T) {
 	}
 }
 
+// TestAnsweredCallClassifiedWithoutAllocs: what the limiter asks of every
+// answered call's nil error allocates nothing.
+func TestAnsweredCallClassifiedWithoutAllocs(t *testing.T) {
+	for name, f := range map[string]func(){
+		"Redirected": func() { Redirected(nil) },
+		"IsUnsent":   func() { IsUnsent(nil) },
+	} {
+		if n := testing.AllocsPerRun(100, f); n != 0 {
+			t.Errorf("%s(nil) allocates %v times; want 0", name, n)
+		}
+	}
+}
+
 // TestIsFailureScriptWrapped: Redis 6 (ElastiCache and Memorystore still
 // run 6.x) reports a refusal met by redis.call inside a script not under
 // its own code but wrapped in "ERR Error running script": a node out of
