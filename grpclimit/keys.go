@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/peer"
 
 	"github.com/hybridlimit/hybridlimit/httplimit"
+	"github.com/hybridlimit/hybridlimit/internal/ctxkey"
 )
 
 // KeyFunc returns the key of a call of fullMethod ("/pkg.Service/Method")
@@ -152,19 +153,16 @@ func Metadata(name string) KeyFunc {
 // FromContext returns a KeyFunc that keys calls by the value of the call's
 // context under key, as an authentication interceptor that runs before
 // this one leaves it: a string, or a fmt.Stringer. A missing (nil) value,
-// or an empty string, skips the rule; a value of another type is an error.
+// a nil pointer (a nil *User stored for an anonymous call), or an empty
+// string, skips the rule; a value of another type is an error.
 func FromContext(key any) KeyFunc {
 	return func(ctx context.Context, _ string) (string, error) {
-		switch v := ctx.Value(key).(type) {
-		case nil:
-			return "", nil
-		case string:
-			return v, nil
-		case fmt.Stringer:
-			return v.String(), nil
-		default:
+		v := ctx.Value(key)
+		k, ok := ctxkey.String(v)
+		if !ok {
 			return "", fmt.Errorf("grpclimit: context value %v is a %T, want a string or a fmt.Stringer", key, v)
 		}
+		return k, nil
 	}
 }
 

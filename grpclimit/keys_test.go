@@ -9,9 +9,11 @@ import (
 	"net/netip"
 	"testing"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 
+	"github.com/hybridlimit/hybridlimit"
 	"github.com/hybridlimit/hybridlimit/httplimit"
 )
 
@@ -159,3 +161,34 @@ func TestKeyFuncs(t *testing.T) {
 		t.Errorf("Hashed = %q, %v; want httplimit's %q", got, err, want)
 	}
 }
+
+// TestFromContextNilPointer: an authentication interceptor that stores
+// a nil *User for anonymous calls must get the per-user rule skipped, as a
+// missing value is. A panic in an interceptor is not recovered by grpc-go:
+// it takes the whole server process down.
+func TestFromContextNilPointer(t *testing.T) {
+	lim, _ := newLimiter(t, hybridlimit.Config{Limit: hybridlimit.PerSecond(5)})
+	ic := newInterceptor(t, Config{Rules: []Rule{{Name: "user", Limiter: lim, Key: FromContext(userCtxKey{})}}})
+	var anon *nilableUser
+	ctx := context.WithValue(callCtx(tcp("192.0.2.1:1")), userCtxKey{}, anon)
+	served := false
+	var err error
+	func() {
+		defer func() {
+			if p := recover(); p != nil {
+				t.Errorf("anonymous call (typed nil user in the context): interceptor panicked: %v", p)
+			}
+		}()
+		_, err = ic.Unary(ctx, nil, &grpc.UnaryServerInfo{FullMethod: check},
+			func(context.Context, any) (any, error) { served = true; return nil, nil })
+	}()
+	if err != nil || !served {
+		t.Errorf("anonymous call: err %v, served %v; want served, rule skipped", err, served)
+	}
+}
+
+type nilableUser struct{ id string }
+
+func (u *nilableUser) String() string { return u.id }
+
+type userCtxKey struct{}

@@ -691,3 +691,31 @@ func TestExpiredDeadline(t *testing.T) {
 		t.Errorf("expired deadline: %d, served %d; want 503, not served", w.Code, served.Load())
 	}
 }
+
+// TestFromContextNilPointer: an authentication middleware that stores a
+// nil *User for anonymous requests (a typed nil in the context) must skip
+// the per-user rule, as a missing value does, not panic.
+func TestFromContextNilPointer(t *testing.T) {
+	lim := newLimiter(t, hybridlimit.Config{Limit: hybridlimit.PerSecond(5)})
+	h, served := newHandler(t, Config{Rules: []Rule{{Name: "user", Limiter: lim, Key: FromContext(userKey{})}}})
+	var anon *nilableUser // auth found no user
+	r := httptest.NewRequest(http.MethodGet, "/", nil)
+	r = r.WithContext(context.WithValue(r.Context(), userKey{}, anon))
+	r.RemoteAddr = "192.0.2.1:1"
+	w := httptest.NewRecorder()
+	func() {
+		defer func() {
+			if p := recover(); p != nil {
+				t.Errorf("anonymous request (typed nil user in the context): middleware panicked: %v", p)
+			}
+		}()
+		h.ServeHTTP(w, r)
+	}()
+	if served.Load() != 1 {
+		t.Errorf("served %d; want 1 (rule skipped for an anonymous request)", served.Load())
+	}
+}
+
+type nilableUser struct{ id string }
+
+func (u *nilableUser) String() string { return u.id }

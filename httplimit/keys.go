@@ -9,6 +9,8 @@ import (
 	"net/netip"
 	"net/textproto"
 	"strings"
+
+	"github.com/hybridlimit/hybridlimit/internal/ctxkey"
 )
 
 // KeyFunc returns the key of a request under one rule: requests with the
@@ -300,20 +302,16 @@ func Header(name string) KeyFunc {
 // FromContext returns a KeyFunc that keys requests by the value of the
 // request's context under key, as an authentication middleware that runs
 // before this one leaves it: a string, or a fmt.Stringer. A missing (nil)
-// value, or an empty string, skips the rule; a value of another type is an
-// error.
+// value, a nil pointer (a nil *User stored for an anonymous request), or an
+// empty string, skips the rule; a value of another type is an error.
 func FromContext(key any) KeyFunc {
 	return func(r *http.Request) (string, error) {
-		switch v := r.Context().Value(key).(type) {
-		case nil:
-			return "", nil
-		case string:
-			return v, nil
-		case fmt.Stringer:
-			return v.String(), nil
-		default:
+		v := r.Context().Value(key)
+		k, ok := ctxkey.String(v)
+		if !ok {
 			return "", fmt.Errorf("httplimit: context value %v is a %T, want a string or a fmt.Stringer", key, v)
 		}
+		return k, nil
 	}
 }
 
