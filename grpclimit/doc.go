@@ -89,9 +89,11 @@
 // closed Limiter. Such an error is logged (Config.Logger), the tokens
 // already taken are refunded, and Config.ErrorHandler returns the call's
 // status; the default is codes.Unavailable for a closed Limiter (the
-// server is shutting down; the client may try another) and codes.Internal
-// for the rest. With Config.PassOnError, the failing rule is skipped
-// instead and the call served.
+// server is shutting down; the client may try another, logged at Debug)
+// or a KeyFunc's own time-out (an auth service's, while the call lives:
+// transient), and codes.Internal for the rest; no status message says
+// anything of the error. With Config.PassOnError, the failing rule is
+// skipped instead and the call served.
 //
 // The call's own context bounds each decision, unlike httplimit's: gRPC
 // clients send deadlines, and a call whose deadline passes or that the

@@ -276,8 +276,11 @@ func (ic *Interceptor) Stream(srv any, ss grpc.ServerStream, info *grpc.StreamSe
 // text, so a denial loses its RetryInfo detail (the error says the delay
 // and wraps ErrLimited) and a rule that cannot decide is reported as
 // ResourceExhausted too: use Unary and Stream where that matters. On the
-// client side, where ctx holds no peer, method or incoming metadata, keys
-// from those are empty and their rules skipped.
+// client side, where ctx holds no method or incoming metadata, keys from
+// those are empty and their rules skipped; it holds no peer either, and a
+// ClientIP rule, which on a server must not skip a call whose peer it
+// cannot read, fails every call there with ErrNoClientIP: key a client's
+// rules by something else.
 func (ic *Interceptor) Limit(ctx context.Context) error {
 	method, _ := grpc.Method(ctx)
 	md, err := ic.check(ctx, method)
@@ -312,10 +315,12 @@ func DefaultDenyHandler(ctx context.Context, d Denial) error {
 
 // DefaultErrorHandler returns codes.Unavailable for a closed Limiter
 // (hybridlimit.ErrClosed: the server is shutting down, and the client may
-// try another), and codes.Internal for every other error, which is a bug
-// on the server's side; neither message says anything of err.
+// try another) or a time-out while the call lives (a KeyFunc's own, such
+// as an auth service's: transient), and codes.Internal for every other
+// error, which is a bug on the server's side; no message says anything of
+// err.
 func DefaultErrorHandler(ctx context.Context, method string, err error) error {
-	if errors.Is(err, hybridlimit.ErrClosed) {
+	if errors.Is(err, hybridlimit.ErrClosed) || errors.Is(err, context.DeadlineExceeded) {
 		return status.Error(codes.Unavailable, "rate limiter unavailable")
 	}
 	return status.Error(codes.Internal, "internal error")
@@ -407,17 +412,19 @@ func (ic *Interceptor) check(ctx context.Context, method string) (metadata.MD, e
 // context if that ended, else, after logging err, ErrorHandler's, or nil
 // with PassOnError.
 func (ic *Interceptor) failed(ctx context.Context, method string, grants []grant, err error) error {
-	if cerr := ctx.Err(); cerr != nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
-		// The caller gave up (AllowN returns the context's error, which
-		// may come a timer's firing before ctx.Err says so): not an error
-		// of ours to log, and the call is not served.
+	if cerr := callerGone(ctx); cerr != nil {
+		// The caller gave up or its deadline passed: not an error of ours
+		// to log, and the call is not served. Its status says only that
+		// (a KeyFunc's error text never reaches the client). A KeyFunc's
+		// own time-out while the call lives is an error of ours.
 		ic.refund(ctx, grants, nil)
-		if cerr == nil {
-			cerr = err
-		}
 		return status.FromContextError(cerr).Err()
 	}
-	ic.log.ErrorContext(ctx, "grpclimit: rule could not decide", "method", method, "err", err, "pass", ic.pass)
+	level := slog.LevelError
+	if errors.Is(err, hybridlimit.ErrClosed) {
+		level = slog.LevelDebug // every call while the server shuts down
+	}
+	ic.log.Log(ctx, level, "grpclimit: rule could not decide", "method", method, "err", err, "pass", ic.pass)
 	if ic.pass {
 		return nil
 	}
@@ -426,6 +433,19 @@ func (ic *Interceptor) failed(ctx context.Context, method string, grants []grant
 		return serr
 	}
 	return DefaultErrorHandler(ctx, method, err)
+}
+
+// callerGone returns ctx's error if the caller cancelled the call or its
+// deadline passed (a context's Err lags its deadline by a timer's
+// firing), nil while the call lives.
+func callerGone(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+		return context.DeadlineExceeded
+	}
+	return nil
 }
 
 // refund gives back the tokens of grants, and, with fields, raises the

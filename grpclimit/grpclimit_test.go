@@ -3,6 +3,7 @@ package grpclimit
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -509,6 +510,8 @@ func TestErrors(t *testing.T) {
 		served int64
 	}{
 		{"key error", Config{Rules: []Rule{{Name: "k", Limiter: lim, Key: failing}}}, codes.Internal, 0},
+		// Every call while the server shuts down: logged at Debug, not
+		// as an Error each.
 		{"closed limiter", Config{Rules: []Rule{{Name: "c", Limiter: closed, Key: perIP}}}, codes.Unavailable, 0},
 		{"pass on error", Config{Rules: []Rule{{Name: "p", Limiter: lim, Key: failing}}, PassOnError: true}, codes.OK, 1},
 		{"error handler", Config{Rules: []Rule{{Name: "e", Limiter: lim, Key: failing}},
@@ -532,8 +535,12 @@ func TestErrors(t *testing.T) {
 			if n := h.served.Load(); n != tt.served {
 				t.Errorf("served %d; want %d", n, tt.served)
 			}
-			if logged.Load() != 1 {
-				t.Errorf("logged %d errors; want 1", logged.Load())
+			want := int64(1)
+			if tt.want == codes.Unavailable {
+				want = 0
+			}
+			if logged.Load() != want {
+				t.Errorf("logged %d errors; want %d", logged.Load(), want)
 			}
 		})
 	}
@@ -750,4 +757,65 @@ func TestSharesBucketsWithHTTP(t *testing.T) {
 		{codes.OK, `"ip";q=2;w=2`, `"ip";r=0;t=2`, 0},
 		{codes.ResourceExhausted, `"ip";q=2;w=2`, `"ip";r=0;t=1`, time.Second},
 	})
+}
+
+// TestKeyFuncOwnTimeout: a KeyFunc (Identity) that asks an auth
+// service under its own time-out fails with an error wrapping
+// context.DeadlineExceeded while the caller's call is alive. The call is
+// then treated as if the caller's deadline had passed: PassOnError is
+// ignored (the call is refused), nothing is logged, ErrorHandler is not
+// asked, and the KeyFunc's error text is sent to the client in the status
+// message.
+func TestKeyFuncOwnTimeout(t *testing.T) {
+	lim, _ := newLimiter(t, hybridlimit.Config{Limit: hybridlimit.PerSecond(5)})
+	var logged atomic.Int64
+	introspect := Identity(func(ctx context.Context) (string, error) {
+		actx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+		defer cancel()
+		<-actx.Done()
+		return "", fmt.Errorf("POST https://auth.internal:8443/introspect: %w", actx.Err())
+	})
+	ic := newInterceptor(t, Config{PassOnError: true, Logger: slog.New(countHandler{&logged}),
+		Rules: []Rule{{Name: "user", Limiter: lim, Key: introspect}}})
+	ctx, cancel := context.WithTimeout(callCtx(tcp("192.0.2.1:1")), time.Minute) // the caller's deadline is far
+	defer cancel()
+	served := false
+	_, err := ic.Unary(ctx, nil, &grpc.UnaryServerInfo{FullMethod: check},
+		func(context.Context, any) (any, error) { served = true; return nil, nil })
+	if !served || err != nil {
+		t.Errorf("PassOnError, KeyFunc's own time-out: err %v, served %v; want served (rule skipped)", err, served)
+	}
+	if logged.Load() != 1 {
+		t.Errorf("logged %d errors; want 1", logged.Load())
+	}
+	// Without PassOnError: the default ErrorHandler's Unavailable (a
+	// time-out of the server's own: transient), saying nothing of the
+	// error.
+	ic = newInterceptor(t, Config{Rules: []Rule{{Name: "user", Limiter: lim, Key: introspect}}})
+	_, err = ic.Unary(ctx, nil, &grpc.UnaryServerInfo{FullMethod: check},
+		func(context.Context, any) (any, error) { return nil, nil })
+	st := status.Convert(err)
+	if st.Code() != codes.Unavailable || strings.Contains(st.Message(), "auth.internal") {
+		t.Errorf("KeyFunc's own time-out: status %v %q; want Unavailable with a message saying nothing of the error",
+			st.Code(), st.Message())
+	}
+}
+
+// TestLimitClientSide: on the client side (go-grpc-middleware's client
+// interceptors) a context holds no method, metadata or peer: rules keyed
+// by the first two are skipped, and a ClientIP rule fails the call rather
+// than skip it, as it would on a server whose peer it cannot read.
+func TestLimitClientSide(t *testing.T) {
+	lim, _ := newLimiter(t, hybridlimit.Config{Limit: hybridlimit.PerSecond(5)})
+	ic := newInterceptor(t, Config{Rules: []Rule{
+		{Name: "method", Limiter: lim, Key: FullMethod},
+		{Name: "tenant", Limiter: lim, Key: Metadata("x-tenant")},
+	}})
+	if err := ic.Limit(context.Background()); err != nil {
+		t.Errorf("Limit on a client context, rules by method and metadata = %v; want nil (rules skipped)", err)
+	}
+	ic = newInterceptor(t, Config{Rules: []Rule{{Name: "ip", Limiter: lim, Key: ClientIP{}.Key}}})
+	if err := ic.Limit(context.Background()); err == nil {
+		t.Error("Limit on a client context, a ClientIP rule = nil; want an error: no peer to read")
+	}
 }

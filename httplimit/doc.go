@@ -93,8 +93,12 @@
 // closed Limiter. Such an error is logged (Config.Logger), the tokens
 // already taken are refunded, and Config.ErrorHandler answers; the
 // default answers 503 Service Unavailable for a closed Limiter (the server
-// is shutting down; the client may try another) and 500 Internal Server
-// Error for the rest, with a generic body. With Config.PassOnError, the
+// is shutting down; the client may try another, logged at Debug) or a
+// KeyFunc's time-out, and 500 Internal Server Error for the rest, with a
+// generic body. A KeyFunc that looks the key up under the request's
+// context fails when the client hangs up: that is logged at Debug, and
+// the default answers StatusClientClosedRequest (499, nginx's), which
+// nobody reads but access logs, where it is not a server error. With Config.PassOnError, the
 // failing rule is skipped instead and the request served. A decision does
 // not end with the request's cancellation: the limiter bounds it by its
 // Config.Timeout, and a client that hangs up has spent its tokens all the

@@ -198,18 +198,40 @@ func DefaultDenyHandler(w http.ResponseWriter, r *http.Request, d Denial) {
 	http.Error(w, "too many requests", http.StatusTooManyRequests)
 }
 
-// DefaultErrorHandler answers 503 Service Unavailable for a closed Limiter
+// DefaultErrorHandler answers StatusClientClosedRequest (499) when the
+// client hung up before the rules decided (nobody reads the answer: it is
+// for access logs and metrics, which should not count it as the server's
+// error); 503 Service Unavailable for a closed Limiter
 // (hybridlimit.ErrClosed: the server is shutting down, and the client may
-// try another) or a request whose deadline passed before the rules
-// decided, and 500 Internal Server Error for every other error, which is a
-// bug on the server's side; each with a generic plain-text body that says
+// try another) or a time-out (the request's deadline, or a KeyFunc's own);
+// and 500 Internal Server Error for every other error, which is a bug on
+// the server's side; each with a generic plain-text body that says
 // nothing of err.
 func DefaultErrorHandler(w http.ResponseWriter, r *http.Request, err error) {
-	if errors.Is(err, hybridlimit.ErrClosed) || errors.Is(err, context.DeadlineExceeded) {
+	switch {
+	case errors.Is(err, context.Canceled) && errors.Is(r.Context().Err(), context.Canceled):
+		w.WriteHeader(StatusClientClosedRequest)
+	case errors.Is(err, hybridlimit.ErrClosed) || errors.Is(err, context.DeadlineExceeded):
 		http.Error(w, "service unavailable", http.StatusServiceUnavailable)
-		return
+	default:
+		http.Error(w, "internal server error", http.StatusInternalServerError)
 	}
-	http.Error(w, "internal server error", http.StatusInternalServerError)
+}
+
+// StatusClientClosedRequest is the status DefaultErrorHandler answers for
+// a request whose client hung up before the rules decided: nginx's 499,
+// which access logs and dashboards know as the client's doing.
+const StatusClientClosedRequest = 499
+
+// requestEnded reports whether r's client hung up or its deadline passed:
+// a context's Err lags its deadline by a timer's firing.
+func requestEnded(r *http.Request) bool {
+	ctx := r.Context()
+	if ctx.Err() != nil {
+		return true
+	}
+	dl, ok := ctx.Deadline()
+	return ok && !time.Now().Before(dl)
 }
 
 // grant is a rule that took tokens for the request in hand.
@@ -286,9 +308,12 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 // refunded and ErrorHandler writes the response.
 func (m *Middleware) failed(ctx context.Context, w http.ResponseWriter, r *http.Request, grants []grant, err error) bool {
 	level := slog.LevelError
-	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, hybridlimit.ErrClosed) {
-		// The request's deadline passed, or the server is shutting down
-		// (every request then, until it stops): not a bug.
+	if requestEnded(r) || errors.Is(err, hybridlimit.ErrClosed) {
+		// The client hung up or the request's deadline passed (a KeyFunc
+		// that looks the key up under the request's context fails
+		// then), or the server is shutting down (every request then,
+		// until it stops): not a bug. A KeyFunc's own time-out while the
+		// request lives is one.
 		level = slog.LevelDebug
 	}
 	m.log.Log(ctx, level, "httplimit: rule could not decide", "method", r.Method, "path", r.URL.Path,

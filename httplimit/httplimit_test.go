@@ -719,3 +719,31 @@ func TestFromContextNilPointer(t *testing.T) {
 type nilableUser struct{ id string }
 
 func (u *nilableUser) String() string { return u.id }
+
+// TestClientGoneInKeyFunc: a KeyFunc that looks the key up with the
+// request's context (an API-key or session store) fails with
+// context.Canceled when the client hangs up. That is the client's doing,
+// not a server bug: it must not be answered 500 nor logged at Error.
+func TestClientGoneInKeyFunc(t *testing.T) {
+	lim := newLimiter(t, hybridlimit.Config{Limit: hybridlimit.PerSecond(5)})
+	var logs bytes.Buffer
+	lookup := func(r *http.Request) (string, error) {
+		<-r.Context().Done() // the store call returns when the client hangs up
+		return "", r.Context().Err()
+	}
+	h, served := newHandler(t, Config{Rules: []Rule{{Name: "tenant", Limiter: lim, Key: lookup}},
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel() // the client went away
+	r := httptest.NewRequest(http.MethodGet, "/", nil).WithContext(ctx)
+	r.RemoteAddr = "192.0.2.1:1"
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, r)
+	if w.Code == http.StatusInternalServerError || strings.Contains(logs.String(), "level=ERROR") {
+		t.Errorf("client hung up during its KeyFunc: status %d, log %q; want no 500 and no Error log",
+			w.Code, logs.String())
+	}
+	if served.Load() != 0 {
+		t.Errorf("served %d", served.Load())
+	}
+}
