@@ -113,7 +113,7 @@
 // Every response to a request that a rule decided carries the RateLimit
 // header fields of draft-ietf-httpapi-ratelimit-headers-10, Lists of
 // structured fields (RFC 9651) with one member per rule that decided, the
-// most restrictive first (a denial, then the fewest remaining):
+// most restrictive first (a denial, then a shadow rule's, then the fewest remaining):
 //
 //	RateLimit-Policy: "ip";q=20;w=1, "user";q=600;w=60
 //	RateLimit: "ip";r=19;t=1, "user";r=599;t=1

@@ -128,17 +128,26 @@ func (m *Middleware) setHeaders(h http.Header, items []item, denied bool) {
 	}
 }
 
-// format sorts items, the most restrictive first (a denial, the longest
-// wait, then the fewest remaining), and returns the values of the
-// RateLimit-Policy and RateLimit fields that list them.
+// format sorts items, the most restrictive first (a denial, then a
+// shadow rule's, the longest wait, then the fewest remaining), and returns
+// the values of the RateLimit-Policy and RateLimit fields that list them.
+// A shadow rule that would deny never comes before a rule that did: the
+// first member, and the legacy fields taken from it, must be the limit a
+// client waits for, not one that is not switched on.
 func format(items []item) (policy, limit string) {
+	rank := func(it item) int {
+		switch {
+		case it.denied && !it.shadowed:
+			return 0
+		case it.denied:
+			return 1
+		}
+		return 2
+	}
 	slices.SortStableFunc(items, func(a, b item) int {
 		switch {
-		case a.denied != b.denied:
-			if a.denied {
-				return -1
-			}
-			return 1
+		case rank(a) != rank(b):
+			return cmpInt(int64(rank(a)), int64(rank(b)))
 		case a.denied && a.t != b.t:
 			return cmpInt(b.t, a.t) // the longer wait first
 		case a.r != b.r:

@@ -747,3 +747,29 @@ func TestClientGoneInKeyFunc(t *testing.T) {
 		t.Errorf("served %d", served.Load())
 	}
 }
+
+// TestShadowRuleAfterADenial: a new policy in shadow mode beside an
+// enforced one (the rollout the Shadow docs describe). When the enforced
+// rule denies, it comes first in RateLimit and the legacy fields describe
+// it, not the shadow rule with its longer t (a client that honours them
+// would wait for a limit that is not on).
+func TestShadowRuleAfterADenial(t *testing.T) {
+	shadow := newLimiter(t, hybridlimit.Config{Limit: hybridlimit.Limit{Rate: 0.1, Burst: 1}, Shadow: true})
+	enforced := newLimiter(t, hybridlimit.Config{Limit: hybridlimit.Limit{Rate: 1, Burst: 1}})
+	h, _ := newHandler(t, Config{LegacyHeaders: true, Rules: []Rule{
+		{Name: "new", Limiter: shadow, Key: perIP},
+		{Name: "enforced", Limiter: enforced, Key: perIP},
+	}})
+	get(h, "192.0.2.1:1")
+	resp := get(h, "192.0.2.1:1")
+	if resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("second request: %d; want 429 from the enforced rule", resp.StatusCode)
+	}
+	_, ml := checkFields(t, resp.Header.Values(HeaderPolicy), resp.Header.Values(HeaderRateLimit))
+	if ml[0].name != "enforced" {
+		t.Errorf("429: RateLimit %q; want the denying rule \"enforced\" first", resp.Header.Values(HeaderRateLimit))
+	}
+	if reset, ra := resp.Header.Get("X-RateLimit-Reset"), resp.Header.Get("Retry-After"); reset != ra {
+		t.Errorf("429: X-RateLimit-Reset %s, Retry-After %s; want the denying policy's reset", reset, ra)
+	}
+}
