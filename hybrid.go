@@ -128,6 +128,7 @@ type Decision struct {
 	Cached bool
 
 	wait time.Duration // WaitN: how long a reservation must wait
+	due  int64         // WaitN: when Redis's bucket has paid the reservation (remote.Due)
 	// took is, for a Shadowed decision, the tokens the limit did grant
 	// and the bucket gave (AllowAtMost's partial grant): Refund gives
 	// back no more.
@@ -773,6 +774,7 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		}
 		if res.Allowed && res.Level < 0 {
 			d.wait = ceilMicros(-res.Level, rl.Q) // granted ahead of the refill
+			d.due = remote.Due(res, rl)
 		}
 		return nil
 	case callerGone:

@@ -26,7 +26,12 @@ func (lim *Limiter) Wait(ctx context.Context, key string) error {
 // random, and tries again; it never spins. If ctx ends while it sleeps
 // until a granted reservation falls due, or the reservation falls due
 // after ctx's deadline (the round trip spent part of what it was sized
-// to), the tokens are given back in the background (a best-effort Refund).
+// to), the tokens are given back in the background, best-effort, if no
+// reservation was made behind them since: the waiters queued behind keep
+// the times they were told, and a queue shortened under them would let
+// the next reservations fall due among theirs (a key admitted 15 in a
+// second where its limit allows 11). Behind later reservations the tokens
+// are lost, erring on refusing.
 // A reservation whose answer had not come when ctx ended stays taken: the
 // limiter cannot tell whether Redis ran it, and errs on refusing (the
 // waiters behind it wait n/Rate longer). It returns at once
@@ -83,7 +88,7 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 					defer lim.wg.Done()
 					rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), lim.cfg.Timeout)
 					defer cancel()
-					_ = lim.Refund(rctx, key, d, n)
+					lim.unreserve(rctx, key, d, n)
 				}()
 			}
 			// The reservation was sized to ctx's deadline when it was
@@ -116,6 +121,34 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 		if err := sleep(delay, lim.done); err != nil {
 			return err
 		}
+	}
+}
+
+// unreserve gives back the n tokens of reservation d, which Redis granted
+// to a waiter that gave up, if nothing was reserved behind it since
+// (remote.Request.Unreserve).
+func (lim *Limiter) unreserve(ctx context.Context, key string, d Decision, n int64) {
+	var own limits
+	ls, err := lim.limitFor(key, &own)
+	if err != nil || d.Mode != ModeRemote || d.due == 0 {
+		return
+	}
+	rkey := lim.cfg.Prefix + key
+	nd, err := lim.nodeFor(ctx, rkey)
+	if err != nil {
+		return
+	}
+	rl := ls.rl
+	sent := lim.cfg.now()
+	// The decision's path, as a Refund's: nowhere while the node's breaker
+	// is not closed.
+	res, o := lim.call(ctx, nd, whenClosed, remote.Request{Key: rkey, Limit: rl, Units: rl.Units(n), Unreserve: d.due})
+	if o == answered {
+		took := int64(0)
+		if res.Allowed {
+			took = -rl.Units(n)
+		}
+		lim.observe(sent, key, rl, res, took)
 	}
 }
 

@@ -36,6 +36,14 @@
 --          "reset": store a full bucket, whatever the key held (an
 --          operator's reset); it expires a second later, when it is the
 --          same as no key at all.
+--          "unreserve": give back cost units of a reservation whose waiter
+--          gave up, only while it is still the bucket's last change: the
+--          key holds the debt the reservation left, due at ARGV[6] (its
+--          reply's time plus its debt over q, as stored), under the same
+--          p. Given back behind later reservations, it would shorten a
+--          queue whose waiters keep the times they were told, and the
+--          next reservation would fall due among theirs. flags says
+--          whether it was given back.
 -- ARGV[6]  the mode's argument, "" if it has none
 -- ARGV[7]  optional: Redis's clock in microseconds, for a Redis that
 --          refuses TIME in scripts (ElastiCache Serverless): the client
@@ -139,6 +147,7 @@ local level = cap
 local last = now -- the time stored with the level
 local flags = 0
 local write = false
+local due -- the time a debt stored as a later time is paid; nil if none
 local raw = redis.pcall('GET', key)
 if raw then
   local _, l, s, lp
@@ -161,7 +170,13 @@ if raw then
     else
       last = s
       if level == 0 then
+        -- A debt, as of now: a level given back out of it (a refund)
+        -- is stored from now, not from when the debt would be paid.
         level = -(s - now) * q
+        last = now
+        if lp == p then
+          due = s
+        end
       end
     end
     if level > cap then
@@ -197,6 +212,15 @@ elseif mode == 'reserve' then
   if level - cost >= -tonumber(ARGV[6]) then
     flags = flags + 1
     level = level - cost
+    if level > cap then
+      level = cap
+    end
+    write = true
+  end
+elseif mode == 'unreserve' then
+  if due and due == tonumber(ARGV[6]) then
+    flags = flags + 1
+    level = level + cost
     if level > cap then
       level = cap
     end

@@ -138,12 +138,13 @@ type call struct {
 type mode uint8
 
 const (
-	modeTake    mode = iota // take cost units if the bucket holds them
-	modeCharge              // take cost units, never refusing, never below zero
-	modeLease               // take cost units, and up to extra more
-	modeReserve             // take cost units if the bucket then owes at most extra
-	modePeek                // report the level; take and write nothing
-	modeReset               // store a full bucket
+	modeTake      mode = iota // take cost units if the bucket holds them
+	modeCharge                // take cost units, never refusing, never below zero
+	modeLease                 // take cost units, and up to extra more
+	modeReserve               // take cost units if the bucket then owes at most extra
+	modePeek                  // report the level; take and write nothing
+	modeReset                 // store a full bucket
+	modeUnreserve             // give back cost units of a reservation still the bucket's last change
 )
 
 // newCall returns a call from p's pool, its ready channel empty.
@@ -305,6 +306,14 @@ type Request struct {
 	Peek bool
 	// Reset stores a full bucket, whatever the key held; Units must be 0.
 	Reset bool
+	// Unreserve, above zero, gives back Units of a reservation (Reserve)
+	// whose waiter gave up, if it is still the bucket's last change:
+	// Unreserve is when its debt is paid, in Redis's microseconds (its
+	// Result's Now plus the debt over Limit.Q, rounded up: Due). Behind
+	// later reservations it gives nothing back (their waiters keep the
+	// times they were told, and a shorter queue would let the next one
+	// fall due among theirs). Result.Allowed says whether it gave back.
+	Unreserve int64
 	// Cancelable says that ctx may be cancelled before its deadline, or
 	// the Pipe closed, and that Do must return then. Without it, a call
 	// alone on an idle pipe whose client bounds its reads by the context's
@@ -335,6 +344,8 @@ func (p *Pipe) Do(ctx context.Context, r Request) (Result, error) {
 		m = modeReset
 	case r.Charge:
 		m = modeCharge
+	case r.Unreserve > 0:
+		m = modeUnreserve
 	case r.Reserve > 0:
 		m = modeReserve
 	case r.Lease > 0:
@@ -350,6 +361,8 @@ func (p *Pipe) Do(ctx context.Context, r Request) (Result, error) {
 		c.extra = r.Limit.Units(r.Lease)
 	case modeReserve:
 		c.extra = r.Reserve
+	case modeUnreserve:
+		c.extra = r.Unreserve
 	}
 	return p.do(c)
 }
@@ -753,7 +766,7 @@ func (p *Pipe) evalCmd(ctx context.Context, v verb, now int64, c *call) noRetryC
 		if c.once != "" {
 			keys, extra = 2, 2
 		}
-	case modeLease, modeReserve:
+	case modeLease, modeReserve, modeUnreserve:
 		extra = 2
 	case modePeek, modeReset:
 		extra = 1
@@ -779,6 +792,8 @@ func (p *Pipe) evalCmd(ctx context.Context, v verb, now int64, c *call) noRetryC
 		args = append(args, "lease", c.extra)
 	case modeReserve:
 		args = append(args, "reserve", c.extra)
+	case modeUnreserve:
+		args = append(args, "unreserve", c.extra)
 	case modePeek:
 		args = append(args, "peek")
 	case modeReset:
@@ -824,6 +839,15 @@ func isNoScript(err error) bool {
 const OnceFor = 10 * time.Minute
 
 var onceForMillis = OnceFor.Milliseconds()
+
+// Due returns when the debt a reservation answered by res leaves is paid,
+// in Redis's microseconds: what Request.Unreserve names.
+func Due(res Result, lim Limit) int64 {
+	if res.Level >= 0 {
+		return 0
+	}
+	return res.Now + ceilDiv(-res.Level, lim.Q)
+}
 
 // OnceKey returns the key under which Redis remembers charge once of key,
 // in key's Cluster slot so that one script may touch both: key's hash tag

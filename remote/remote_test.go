@@ -786,6 +786,50 @@ func TestReserve(t *testing.T) {
 	})
 }
 
+// TestUnreserve: a reservation whose waiter gave up is given back while it
+// is the bucket's last change, and not once another was made behind it:
+// that waiter keeps the time it was told.
+func TestUnreserve(t *testing.T) {
+	m, p := newMini(t)
+	lim := mustLimit(t, 10, 5)
+	ctx := context.Background()
+	m.SetTime(t0)
+	if res, err := p.Take(ctx, "k", lim, 5); err != nil || !res.Allowed {
+		t.Fatalf("Take(5) = %+v, %v", res, err)
+	}
+	do := func(r Request) Result {
+		t.Helper()
+		r.Key, r.Limit = "k", lim
+		res, err := p.Do(ctx, r)
+		if err != nil {
+			t.Fatalf("%+v: %v", r, err)
+		}
+		return res
+	}
+	reserve := func(n int64) Result { return do(Request{Units: lim.Units(n), Reserve: lim.Units(5)}) }
+	unreserve := func(n int64, of Result) Result { return do(Request{Units: lim.Units(n), Unreserve: Due(of, lim)}) }
+	a := reserve(2)
+	if got := unreserve(2, a); !got.Allowed || got.Level != 0 {
+		t.Errorf("give back the last reservation = %+v; want given back, level 0", got)
+	}
+	// Given back, the bucket holds no debt: a take of the refill is
+	// allowed as soon as it has come (100 ms for one token).
+	m.SetTime(t0.Add(100 * time.Millisecond))
+	if res, err := p.Take(ctx, "k", lim, 1); err != nil || !res.Allowed {
+		t.Errorf("Take(1) 100 ms after the give-back = %+v, %v; want allowed", res, err)
+	}
+	a, b := reserve(2), reserve(1)
+	if got := unreserve(2, a); got.Allowed || got.Level != -3*lim.P {
+		t.Errorf("give back a reservation with another behind it = %+v; want nothing given back, level -3 tokens", got)
+	}
+	if got := unreserve(1, b); !got.Allowed || got.Level != -2*lim.P {
+		t.Errorf("give back the last one = %+v; want given back, level -2 tokens", got)
+	}
+	if got := unreserve(2, a); !got.Allowed || got.Level != 0 {
+		t.Errorf("give back the first once it is the last again = %+v; want given back, level 0", got)
+	}
+}
+
 // TestSlot: the slots Redis's own documentation gives, and hash tags.
 func TestSlot(t *testing.T) {
 	for key, want := range map[string]int{

@@ -73,8 +73,8 @@ func parseReply(v any, lim Limit, cost int64, m mode) (Result, error) {
 	}
 	capacity := lim.Cap()
 	allowed := flags&1 == 1
-	if flags < 0 || flags > 3 || level < -maxExact || level > capacity || !allowed && (m == modeCharge || cost < 0 || cost <= level) ||
-		allowed && m != modeCharge && m != modeReserve && cost >= 0 && level < 0 ||
+	if flags < 0 || flags > 3 || level < -maxExact || level > capacity || !allowed && m != modeUnreserve && (m == modeCharge || cost < 0 || cost <= level) ||
+		allowed && m != modeCharge && m != modeReserve && m != modeUnreserve && cost >= 0 && level < 0 ||
 		leased < 0 || leased%lim.P != 0 || leased > capacity || !allowed && leased != 0 ||
 		m == modeReset && (!allowed || level != capacity) {
 		return Result{}, fmt.Errorf("%w: %v", ErrReply, vals)
@@ -87,7 +87,7 @@ func parseReply(v any, lim Limit, cost int64, m mode) (Result, error) {
 		Now:        now,
 		Leased:     leased / lim.P,
 	}
-	if !allowed {
+	if !allowed && m != modeUnreserve {
 		res.RetryAfter = -1
 		if cost <= capacity {
 			res.RetryAfter = micros(ceilDiv(cost-level, lim.Q))

@@ -88,6 +88,22 @@ func TestModelMatchesRedis(t *testing.T) {
 			call(t, c, m, i, key, once, ch)
 			call(t, c, m, i, key, once, ch)
 			continue
+		case 5, 6: // a reservation given back: while it is the last change, after another, or with a stale due
+			res := []any{rl.Q, rl.P, rl.Cap(), rl.Units(1), "reserve", 3 * rl.Cap()}
+			call(t, c, m, i, key, "", res)
+			due := int64(0)
+			if raw, err := c.Get(ctx, key).Bytes(); err == nil {
+				if _, l, st, _, ok := unpack(raw); ok && l == 0 {
+					due = int64(st)
+				}
+			}
+			switch rng.IntN(4) {
+			case 0:
+				call(t, c, m, i, key, "", res)
+			case 1:
+				due--
+			}
+			argv = []any{rl.Q, rl.P, rl.Cap(), rl.Units(1), "unreserve", due}
 		case 3: // a charge, then a denial under a larger burst at the same P: the TTL follows the limit
 			ch := []any{rl.Q, rl.P, rl.Cap(), rl.Cap(), "charge"}
 			call(t, c, m, i, key, "", ch)

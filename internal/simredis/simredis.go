@@ -588,7 +588,9 @@ func (s *Server) bucket(at time.Time, key, marker string, argv []string) any {
 	now := float64(us/1e6)*1e6 + float64(us%1e6)
 
 	level := capacity
-	last := now // the time stored with the level
+	last := now     // the time stored with the level
+	var due float64 // the time a debt stored as a later time is paid, if hasDue
+	hasDue := false
 	flags := 0.0
 	dirty := false
 	mode := ""
@@ -614,6 +616,10 @@ func (s *Server) bucket(at time.Time, key, marker string, argv []string) any {
 				last = st
 				if level == 0 {
 					level = -(st - now) * q
+					last = now
+					if lp == p {
+						due, hasDue = st, true
+					}
 				}
 			}
 			if level > capacity {
@@ -654,6 +660,19 @@ func (s *Server) bucket(at time.Time, key, marker string, argv []string) any {
 		if level-cost >= -depth {
 			flags++
 			level -= cost
+			if level > capacity {
+				level = capacity
+			}
+			dirty = true
+		}
+	} else if mode == "unreserve" {
+		want, ok := 0.0, false
+		if len(argv) > 5 {
+			want, ok = number(argv[5])
+		}
+		if hasDue && ok && due == want {
+			flags++
+			level += cost
 			if level > capacity {
 				level = capacity
 			}

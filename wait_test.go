@@ -1,0 +1,138 @@
+package hybridlimit
+
+import (
+	"context"
+	"errors"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hybridlimit/hybridlimit/internal/simnet"
+	"github.com/hybridlimit/hybridlimit/internal/simredis"
+)
+
+// waitLimiter returns, inside a bubble, a Limiter of cfg on a fresh
+// simulated Redis whose first contact is over, and the Redis.
+func waitLimiter(t *testing.T, cfg Config) (*testRedis, *Limiter) {
+	t.Helper()
+	r := &testRedis{sim: simredis.New(), link: simnet.NewLink()}
+	t.Cleanup(r.sim.Close)
+	cfg.Redis = r.client(t)
+	lim, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { lim.Close() })
+	<-lim.warmed
+	return r, lim
+}
+
+// uses records when admissions happened, relative to a start.
+type uses struct {
+	mu    sync.Mutex
+	start time.Time
+	at    []time.Duration
+}
+
+func (u *uses) add() {
+	u.mu.Lock()
+	u.at = append(u.at, time.Since(u.start))
+	u.mu.Unlock()
+}
+
+// in returns the admissions in [from, to).
+func (u *uses) in(from, to time.Duration) int {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	n := 0
+	for _, a := range u.at {
+		if a >= from && a < to {
+			n++
+		}
+	}
+	return n
+}
+
+// busiest returns the most admissions in any window [a, a+w) that starts
+// at an admission, and a.
+func (u *uses) busiest(w time.Duration) (int, time.Duration) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	at := append([]time.Duration(nil), u.at...)
+	sort.Slice(at, func(i, j int) bool { return at[i] < at[j] })
+	best, from := 0, time.Duration(0)
+	for i, a := range at {
+		j := sort.Search(len(at), func(k int) bool { return at[k] >= a+w })
+		if j-i > best {
+			best, from = j-i, a
+		}
+	}
+	return best, from
+}
+
+// TestWaitGiveBackHoldsTheLimit: 100 workers queue on a key of 10/s
+// (burst 1) with WaitN; half of them give up (their contexts are
+// cancelled, as when their clients time out) while they sleep on their
+// reservations. Each gives its tokens back to Redis; but the waiters queued
+// behind keep the wake-up times they were told, so the give-back does not
+// move them up: Redis's bucket now believes the queue is shorter than it
+// is, and the next waiters are given wake-up times in the middle of the
+// old waiters' schedule. The key then admits far more than its limit in
+// every second of the overlap.
+func TestWaitGiveBackHoldsTheLimit(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		const rate, burst = 10, 1
+		_, lim := waitLimiter(t, Config{Limit: Limit{Rate: rate, Burst: burst}, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
+		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
+			t.Fatalf("first token: %+v, %v", d, err)
+		}
+		u := &uses{start: time.Now()}
+		var wg sync.WaitGroup
+		var cancels []context.CancelFunc
+		var gaveUp atomic.Int64
+		for range 100 {
+			wctx, cancel := context.WithCancel(ctx)
+			cancels = append(cancels, cancel)
+			wg.Go(func() {
+				if err := lim.Wait(wctx, "k"); err == nil {
+					u.add()
+				} else if errors.Is(err, context.Canceled) {
+					gaveUp.Add(1)
+				} else {
+					t.Errorf("Wait = %v", err)
+				}
+			})
+			time.Sleep(time.Millisecond) // in order
+		}
+		time.Sleep(100 * time.Millisecond)
+		for i := 1; i < len(cancels); i += 2 {
+			cancels[i]() // every other one gives up
+		}
+		time.Sleep(100 * time.Millisecond) // the give-backs land
+		// 50 new workers arrive (they would have found the queue full
+		// without the give-backs).
+		for range 50 {
+			wg.Go(func() {
+				if err := lim.Wait(ctx, "k"); err != nil {
+					t.Errorf("late Wait = %v", err)
+					return
+				}
+				u.add()
+			})
+			time.Sleep(time.Millisecond)
+		}
+		wg.Wait()
+		for _, c := range cancels {
+			c()
+		}
+		most, from := u.busiest(time.Second)
+		t.Logf("%d admitted (%d gave up); seconds 0-5: %d, seconds 5-10: %d; busiest 1 s window: %d from %v",
+			len(u.at), gaveUp.Load(), u.in(0, 5*time.Second), u.in(5*time.Second, 10*time.Second), most, from)
+		if bound := rate + burst; most > bound {
+			t.Errorf("%d admitted in the 1 s window from %v; want at most Rate×1 s + Burst = %d", most, from, bound)
+		}
+	})
+}
