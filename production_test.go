@@ -626,9 +626,10 @@ func TestWaitNCancelledReturnsAtOnce(t *testing.T) {
 
 // TestWaitNReturnsAtClose: a WaitN sleeping between tries (its queue in
 // Redis is full, or the local share is empty during an outage) sleeps up
-// to maxWaitStep, a minute, before it tries again and meets ErrClosed. A
+// to maxWaitStep, a minute, before it tries again and meets ErrClosed; one
+// granted a reservation sleeps until its tokens are due, here a minute. A
 // service that closes its limiter on shutdown then has callers blocked in
-// WaitN for up to a minute after Close returned: Close must wake them
+// WaitN for up to a minute after Close returned: Close must wake both
 // with ErrClosed.
 func TestWaitNReturnsAtClose(t *testing.T) {
 	bubble(t, func(t *testing.T) {
@@ -645,27 +646,46 @@ func TestWaitNReturnsAtClose(t *testing.T) {
 		// A waiter reserves the next 10 tokens, a minute of refill: the
 		// queue is a burst deep, full.
 		first := make(chan error, 1)
-		go func() { first <- lim.WaitN(ctx, "k", 10) }()
+		var firstReturned time.Duration
+		go func() {
+			start := time.Now()
+			err := lim.WaitN(ctx, "k", 10)
+			firstReturned = time.Since(start)
+			first <- err
+		}()
 		defer func() {
-			// Granted before Close, it ends with its tokens.
-			if err := <-first; err != nil {
-				t.Errorf("WaitN(10) granted before Close = %v; want nil when its tokens are due", err)
+			// Granted before Close, due a minute on: it ends at Close.
+			if err := <-first; !errors.Is(err, ErrClosed) || firstReturned > 2*time.Second+10*time.Millisecond {
+				t.Errorf("WaitN(10) granted before Close = %v, %v after it started (Close came 2 s in); want ErrClosed at Close", err, firstReturned)
 			}
 		}()
 		time.Sleep(time.Second)
-		done := make(chan error, 1)
-		var returned time.Duration
-		go func() {
-			start := time.Now()
-			err := lim.Wait(ctx, "k") // denied: sleeps on RetryAfter, 66 s, cut to a minute
-			returned = time.Since(start)
-			done <- err
-		}()
+		// The next waiter is refused, then granted one place deeper
+		// (due in 66 s); the one after it is refused at that depth too
+		// and sleeps until there is room, 6 s.
+		done := make(chan error, 2)
+		var returned [2]atomic.Int64
+		for i := range 2 {
+			go func() {
+				start := time.Now()
+				err := lim.Wait(ctx, "k")
+				returned[i].Store(int64(time.Since(start)))
+				done <- err
+			}()
+			time.Sleep(time.Millisecond)
+		}
 		time.Sleep(time.Second)
 		lim.Close()
-		err = <-done
-		if !errors.Is(err, ErrClosed) || returned > time.Second+10*time.Millisecond {
-			t.Errorf("Wait blocked at Close returned %v, %v after it started (Close came 1 s in); want ErrClosed at Close", err, returned)
+		for range 2 {
+			err = <-done
+			if !errors.Is(err, ErrClosed) {
+				t.Errorf("Wait blocked at Close returned %v; want ErrClosed", err)
+			}
+		}
+		for i := range returned {
+			if took := time.Duration(returned[i].Load()); took > time.Second+10*time.Millisecond {
+				t.Errorf("waiter %d returned %v after it started (Close came 1 s in); want at Close", i, took)
+			}
 		}
 	})
 }

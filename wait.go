@@ -21,9 +21,13 @@ func (lim *Limiter) Wait(ctx context.Context, key string) error {
 // So waiters, on every instance, are served in the order they reached
 // Redis, a waiter for many tokens keeps its place behind those for few, and
 // each grant costs Redis one call however many wait. If the queue is
-// deeper than that, or Redis is away and the local share decides, it
-// sleeps for the RetryAfter of the denial, plus up to a tenth more at
-// random, and tries again; it never spins. If ctx ends while it sleeps
+// full, it tries again at once allowed one place deeper than the waiters
+// that were not refused (workers that loop on Wait, re-queueing the moment
+// they are served, would otherwise take every place as it opens), and if
+// that is full too it sleeps until the queue has room for it. While Redis
+// is away and the local share decides, it sleeps for the RetryAfter of
+// the denial. Each sleep between tries is lengthened by up to a tenth at
+// random; it never spins. If ctx ends while it sleeps
 // until a granted reservation falls due, or the reservation falls due
 // after ctx's deadline (the round trip spent part of what it was sized
 // to), the tokens are given back in the background, best-effort, if no
@@ -37,8 +41,13 @@ func (lim *Limiter) Wait(ctx context.Context, key string) error {
 // waiters behind it wait n/Rate longer). It returns at once
 // with an error wrapping context.DeadlineExceeded when its deadline cannot
 // be met, ctx's error if ctx ends first, ErrClosed at once if Close comes
-// while it sleeps between tries, and the errors of AllowN; with
-// Config.Shadow it never waits.
+// while it sleeps, between tries or on a reservation (whose tokens are
+// then lost: a service shutting down does not wait for a slow limit's
+// refill), and the errors of AllowN; with Config.Shadow it never waits.
+//
+// A limit lowered while waiters sleep on their reservations applies to the
+// reservations made after it: those made before are admitted on the
+// schedule they were given (at most a burst, or 10 s of the old rate).
 func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 	var t *time.Timer
 	// sleep waits d, or until ctx ends; with closing, also until Close
@@ -63,11 +72,19 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 			t.Stop()
 		}
 	}()
+	// refused is set once Redis refused a reservation for a queue full
+	// to its depth: from then on this waiter may queue n tokens deeper
+	// than the others, so that those who re-queue the moment they are
+	// served (workers looping on Wait keep a queue full) cannot take
+	// every place as it opens.
+	refused := false
 	for {
 		var d Decision
 		var reserve int64
-		if !lim.cfg.Shadow { // a shadow limiter never makes anyone wait
-			reserve = lim.depth(ctx, key)
+		var span time.Duration // the refill that pays reserve
+		// A shadow limiter never makes anyone wait.
+		if !lim.cfg.Shadow {
+			reserve, span = lim.depth(ctx, key, n, refused)
 		}
 		if err := lim.allowN(ctx, key, n, reserve, false, &d); err != nil {
 			return err
@@ -101,23 +118,38 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 				return fmt.Errorf("hybridlimit: WaitN(n=%d) reserved tokens due in %v, past the context's deadline: %w",
 					n, d.wait, context.DeadlineExceeded)
 			}
-			// Granted: the wait ends with the tokens, Close or not.
-			if err := sleep(d.wait, nil); err != nil {
-				giveBack() // not spent
+			// Granted: the wait ends with the tokens, or at Close (a
+			// service shutting down must not wait for a slow limit's
+			// refill; the tokens are lost, erring on refusing).
+			if err := sleep(d.wait, lim.done); err != nil {
+				if err != ErrClosed {
+					giveBack() // not spent
+				}
 				return err
 			}
 			return nil
 		}
-		delay := d.RetryAfter
-		if delay <= 0 {
-			delay = time.Millisecond
-		}
-		delay = min(delay, maxWaitStep)
-		delay += time.Duration(lim.rand.Int64N(int64(delay/10) + 1))
+		// RetryAfter is when the bucket holds n tokens: no sooner can
+		// this waiter be served.
+		delay := max(d.RetryAfter, time.Millisecond)
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < delay {
 			return fmt.Errorf("hybridlimit: WaitN(n=%d) for %v would exceed the context's deadline: %w",
 				n, delay, context.DeadlineExceeded)
 		}
+		if reserve > 0 && d.Mode == ModeRemote && !d.Cached {
+			// Redis refused the reservation: the queue is full to its
+			// depth. Once refused, this waiter may queue n tokens deeper,
+			// at once (the queue may be full, not overfull) and then once
+			// there is room for it, a depth's refill before the bucket
+			// would hold n.
+			if !refused {
+				refused = true
+				continue
+			}
+			delay = max(delay-span, time.Millisecond)
+		}
+		delay = min(delay, maxWaitStep)
+		delay += time.Duration(lim.rand.Int64N(int64(delay/10) + 1))
 		if err := sleep(delay, lim.done); err != nil {
 			return err
 		}
@@ -166,30 +198,37 @@ const reserveFor = 10 * time.Second
 // arithmetic stays exact.
 const maxExactUnits = 1 << 52
 
-// depth returns how many units of key's bucket a WaitN may reserve ahead
-// of the refill: a burst, or reserveFor of refill if that is more (a
-// queue only a burst deep would let waiters for one token, re-queueing as
-// soon as they are served, keep a waiter for more from ever finding room);
-// and no more than the refill pays before ctx's deadline, so that a
-// reservation is never granted to a waiter that cannot live to spend it.
-func (lim *Limiter) depth(ctx context.Context, key string) int64 {
+// depth returns how many units of key's bucket a WaitN for n tokens may
+// reserve ahead of the refill: a burst, or reserveFor of refill if that is
+// more (a queue only a burst deep would let waiters for one token,
+// re-queueing as soon as they are served, keep a waiter for more from ever
+// finding room), and n tokens more for a waiter that was refused (see
+// WaitN); and no more than the refill pays before ctx's deadline, so that
+// a reservation is never granted to a waiter that cannot live to spend it.
+//
+// span is the time the refill takes to pay depth.
+func (lim *Limiter) depth(ctx context.Context, key string, n int64, refused bool) (depth int64, span time.Duration) {
 	var own limits
 	ls, err := lim.limitFor(key, &own)
-	if err != nil {
-		return 0 // allowN reports it
+	if err != nil || n < 1 || n > ls.Burst {
+		return 0, 0 // allowN reports it
 	}
 	rl := ls.rl
-	depth := max(rl.Cap(), min(int64(reserveFor/time.Microsecond), maxExactUnits/rl.Q)*rl.Q)
+	depth = max(rl.Cap(), min(int64(reserveFor/time.Microsecond), maxExactUnits/rl.Q)*rl.Q)
+	if refused {
+		depth += rl.Units(n)
+	}
 	if dl, ok := ctx.Deadline(); ok {
 		us := int64(time.Until(dl) / time.Microsecond)
 		if us <= 0 {
-			return 0
+			return 0, 0
 		}
 		if us < depth/rl.Q {
 			depth = us * rl.Q
 		}
 	}
-	return max(depth, 1)
+	depth = max(depth, 1)
+	return depth, time.Duration(depth/rl.Q) * time.Microsecond
 }
 
 // Refund gives n tokens back to key's bucket in the path that granted d: to

@@ -136,3 +136,68 @@ func TestWaitGiveBackHoldsTheLimit(t *testing.T) {
 		}
 	})
 }
+
+// TestWaitFullQueueServesALateWaiter: 10 workers loop on Wait on a key of
+// 1/s (burst 1, so the reservation queue is 10 s of refill deep and they
+// keep it full). An 11th caller arrives with a deadline of a minute:
+// served in the order it reached Redis, it is granted within about 11 s
+// (10 ahead of it, one a second). It used to sleep, once refused, until
+// the bucket would hold its token (the whole queue drained), and then find
+// the queue full again: the looping workers take every place the moment
+// it opens (DeadlineExceeded after 55 s, 57 tokens granted to them
+// meanwhile). Once refused, a waiter may queue a place deeper.
+func TestWaitFullQueueServesALateWaiter(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		_, lim := waitLimiter(t, Config{Limit: Limit{Rate: 1, Burst: 1}, Heartbeat: -1, Instances: 1})
+		loop, stop := context.WithCancel(context.Background())
+		var wg sync.WaitGroup
+		var looped atomic.Int64
+		for range 10 {
+			wg.Go(func() {
+				for lim.Wait(loop, "k") == nil {
+					looped.Add(1)
+				}
+			})
+			time.Sleep(time.Millisecond)
+		}
+		time.Sleep(time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		start := time.Now()
+		err := lim.Wait(ctx, "k")
+		took := time.Since(start)
+		before := looped.Load()
+		stop()
+		wg.Wait()
+		t.Logf("late Wait = %v after %v; the 10 looping workers were granted %d tokens meanwhile", err, took, before)
+		if err != nil || took > 15*time.Second {
+			t.Errorf("late Wait = %v after %v; want granted within about 11 s (10 waiters ahead of it at 1/s)", err, took)
+		}
+	})
+}
+
+// TestWaitNReservedReturnsAtClose: a worker granted a reservation of a
+// slow limit (PerHour(60): the queue is a burst, an hour, deep) must not
+// sleep through Close until its tokens are due: a service that closes its
+// limiter on shutdown would keep that worker blocked for half an hour.
+func TestWaitNReservedReturnsAtClose(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		_, lim := waitLimiter(t, Config{Limit: Limit{Rate: 60.0 / 3600, Burst: 60}, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
+		if d, err := lim.AllowN(ctx, "k", 60); err != nil || !d.Allowed {
+			t.Fatalf("AllowN(60) = %+v, %v", d, err)
+		}
+		done := make(chan time.Duration, 1)
+		start := time.Now()
+		go func() {
+			_ = lim.WaitN(ctx, "k", 30) // due in 30 minutes
+			done <- time.Since(start)
+		}()
+		time.Sleep(time.Second)
+		lim.Close()
+		took := <-done
+		if took > 2*time.Second {
+			t.Errorf("WaitN returned %v after it began, Close came at 1 s; want it to return at Close", took)
+		}
+	})
+}
