@@ -101,8 +101,9 @@ type Decision struct {
 	// Remaining is how many whole tokens the deciding bucket holds after
 	// the decision. With PerSecond(10), a fresh key after AllowN(ctx, key, 3)
 	// has Remaining 7. Under ModeLocal it counts this instance's share;
-	// under ModeLease the tokens left in this instance's lease; under
-	// ModeFailOpen and ModeFailClosed it is 0 (unknown).
+	// under ModeLease the tokens left in this instance's lease and those
+	// Redis's bucket held when it last answered for the key, refilled
+	// since; under ModeFailOpen and ModeFailClosed it is 0 (unknown).
 	Remaining int64
 	// RetryAfter is, when denied, how long until the bucket can hold n
 	// tokens, for AllowAtMost one token (under ModeFailClosed: until the
@@ -110,7 +111,8 @@ type Decision struct {
 	// limit takes to refill n tokens, or until the next probe if that is
 	// later). Zero when allowed.
 	RetryAfter time.Duration
-	// ResetAfter is how long until the deciding bucket is full again.
+	// ResetAfter is how long until the deciding bucket is full again
+	// (under ModeLease, Redis's).
 	ResetAfter time.Duration
 	// Mode says which path decided.
 	Mode Mode
@@ -667,13 +669,15 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	if lim.cfg.Lease > 0 && atMost {
 		if taken, left := lim.shares.TakeLeaseUpTo(lim.cfg.now(), key, ls.rl, n); taken > 0 {
 			lim.count.Add(taken) // granted by Redis, for the fleet's weights
-			*d = Decision{Allowed: true, Granted: taken, Remaining: left, Mode: ModeLease}
+			*d = Decision{Allowed: true, Granted: taken, Mode: ModeLease}
+			lim.leased(key, ls, left, d)
 			return nil
 		}
 	} else if lim.cfg.Lease > 0 {
 		if left, ok := lim.shares.TakeLease(lim.cfg.now(), key, ls.rl, n); ok {
 			lim.count.Add(n) // granted by Redis, for the fleet's weights
-			*d = Decision{Allowed: true, Remaining: left, Mode: ModeLease}
+			*d = Decision{Allowed: true, Mode: ModeLease}
+			lim.leased(key, ls, left, d)
 			return nil
 		}
 	}
@@ -789,6 +793,28 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 	}
 	lim.fallback(key, n, ls, nd, atMost, d)
 	return nil
+}
+
+// leased sets d's Remaining and ResetAfter for a decision spent from this
+// instance's lease of key, which holds left tokens after it: what the
+// caller may still spend is those and what Redis's bucket held when it
+// last answered for the key, refilled since, up to the burst (the lease's
+// tokens left the bucket when they were granted); ResetAfter is when that
+// bucket is full again. Told only the lease (4 where the bucket held 94), a
+// client pacing itself on the RateLimit field backed off a limit it had
+// barely touched.
+func (lim *Limiter) leased(key string, ls *limits, left int64, d *Decision) {
+	d.Remaining = left
+	tokens, r, at, ok := lim.shares.Seen(key)
+	if !ok || !(r > 0) {
+		return
+	}
+	burst := float64(ls.Burst)
+	level := math.Min(burst, tokens+r*max(lim.cfg.now().Sub(at).Seconds(), 0))
+	d.Remaining = min(left+int64(max(level, 0)), ls.Burst)
+	if level < burst {
+		d.ResetAfter = time.Duration(math.Ceil((burst - level) / r * float64(time.Second)))
+	}
 }
 
 // observe records what Redis said of key at sent: res.Level units of 1/rl.P

@@ -104,25 +104,28 @@ func TestLeaseLifecycle(t *testing.T) {
 	}
 	step("first", ModeRemote, true, 15) // 1 taken, 4 leased, 15 left in Redis
 	counted := lim.count.Load()
+	// A decision from the lease tells what the caller may still spend:
+	// what the lease holds, and what Redis's bucket held (the refill of a
+	// token in 1,000 s adds nothing).
 	for i := int64(3); i >= 0; i-- {
-		step("from the lease", ModeLease, true, i)
+		step("from the lease", ModeLease, true, i+15)
 	}
 	// Leased decisions are this instance's traffic, for the fleet's weights.
 	if got := lim.count.Load() - counted; got != 4 {
 		t.Errorf("4 decisions from the lease counted %d times for the fleet; want 4", got)
 	}
 	step("lease spent", ModeRemote, true, 10)
-	d := step("from the second lease", ModeLease, true, 3)
+	d := step("from the second lease", ModeLease, true, 3+10)
 	if err := lim.Refund(ctx, "k", d, 1); err != nil {
 		t.Fatal(err)
 	}
-	step("after a refund to the lease", ModeLease, true, 3)
+	step("after a refund to the lease", ModeLease, true, 3+10)
 	if got, _ := m.Get(lim.cfg.Prefix + "k"); len(got) != 22 {
 		t.Fatalf("bucket value %q", got)
 	}
 	// Redis away: the lease is still spent, then the local share decides.
 	m.Close()
-	step("lease, Redis away", ModeLease, true, 2)
+	step("lease, Redis away", ModeLease, true, 2+10)
 	advance(time.Second) // the lease has expired
 	d, err := lim.Allow(ctx, "k")
 	if err != nil || d.Mode == ModeLease {

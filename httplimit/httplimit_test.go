@@ -773,3 +773,30 @@ func TestShadowRuleAfterADenial(t *testing.T) {
 		t.Errorf("429: X-RateLimit-Reset %s, Retry-After %s; want the denying policy's reset", reset, ra)
 	}
 }
+
+// TestLeaseFields: with Config.Lease, a decision spent from the lease
+// reports what the client may still spend, the lease's tokens and the
+// shared bucket's, and when that bucket is full again. Told only the
+// lease, one client alone saw r go 94, then 4, 3, 2 (the shared bucket
+// held 94 all along), with t=0 claiming a full bucket: a client pacing
+// itself on r saw a 100-token limit as nearly spent.
+func TestLeaseFields(t *testing.T) {
+	lim := newLimiter(t, hybridlimit.Config{Limit: hybridlimit.PerSecond(100), Lease: 5})
+	h, _ := newHandler(t, Config{Rules: []Rule{{Name: "ip", Limiter: lim, Key: perIP}}})
+	prev := int64(-1)
+	for i := range 4 {
+		resp := get(h, "192.0.2.1:1")
+		_, ml := checkFields(t, resp.Header.Values(HeaderPolicy), resp.Header.Values(HeaderRateLimit))
+		r, _ := ml[0].int("r")
+		tt, _ := ml[0].int("t")
+		if prev >= 0 && r < prev-1 {
+			t.Errorf("request %d: RateLimit %q: r fell from %d to %d for one token spent",
+				i+1, resp.Header.Get(HeaderRateLimit), prev, r)
+		}
+		if r < 100 && tt == 0 {
+			t.Errorf("request %d: RateLimit %q: r=%d of q=100 with t=0; want t > 0 when the bucket is not full",
+				i+1, resp.Header.Get(HeaderRateLimit), r)
+		}
+		prev = r
+	}
+}
