@@ -148,6 +148,7 @@ local last = now -- the time stored with the level
 local flags = 0
 local write = false
 local due -- the time a debt stored as a later time is paid; nil if none
+local unreserved -- unreserve's time to store, when a debt is left
 local raw = redis.pcall('GET', key)
 if raw then
   local _, l, s, lp
@@ -225,6 +226,11 @@ elseif mode == 'unreserve' then
       level = cap
     end
     write = true
+    if level < 0 then
+      -- The time the debt was due before the reservation: it added
+      -- ceil(cost / q) to it, which from the level would round again.
+      unreserved = due - math.ceil(cost / q)
+    end
   end
 elseif mode == 'peek' then
   if cost <= level then
@@ -255,7 +261,10 @@ if mode == 'peek' then
   -- Reads only.
 elseif write then
   local stored = level
-  if level < 0 then
+  if unreserved then
+    stored = 0
+    last = unreserved
+  elseif level < 0 then
     stored = 0
     last = now + math.ceil(-level / q)
   end

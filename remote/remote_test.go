@@ -830,6 +830,49 @@ func TestUnreserve(t *testing.T) {
 	}
 }
 
+// TestUnreserveRounding: on a limit whose token is not a whole number of
+// microseconds of refill (PerSecond(7): 142857.14 µs), waiters give up in
+// the reverse of the order they reserved: each is the bucket's last change
+// when it gives back, and each give-back lands, leaving the queue as it
+// was before it (a reservation made then falls due when the first one
+// did). Stored from the level, the time of the debt left after the second
+// give-back was rounded up again, a microsecond past the first's due: the
+// first's give-back was refused, its token lost.
+func TestUnreserveRounding(t *testing.T) {
+	m, p := newMini(t)
+	lim := mustLimit(t, 7, 5)
+	ctx := context.Background()
+	m.SetTime(t0)
+	if res, err := p.Take(ctx, "k", lim, 5); err != nil || !res.Allowed {
+		t.Fatalf("Take(5) = %+v, %v", res, err)
+	}
+	do := func(r Request) Result {
+		t.Helper()
+		r.Key, r.Limit = "k", lim
+		res, err := p.Do(ctx, r)
+		if err != nil {
+			t.Fatalf("%+v: %v", r, err)
+		}
+		return res
+	}
+	reserve := func(n int64) Result { return do(Request{Units: lim.Units(n), Reserve: lim.Units(5)}) }
+	unreserve := func(n int64, of Result) bool {
+		return do(Request{Units: lim.Units(n), Unreserve: Due(of, lim)}).Allowed
+	}
+	a, b, c := reserve(1), reserve(1), reserve(1)
+	for _, w := range []struct {
+		name string
+		of   Result
+	}{{"c", c}, {"b", b}, {"a", a}} {
+		if !unreserve(1, w.of) {
+			t.Errorf("give back %s, the last change: not given back", w.name)
+		}
+	}
+	if again := reserve(1); Due(again, lim) != Due(a, lim) {
+		t.Errorf("a reservation after every give-back falls due at %d; want %d, the first's", Due(again, lim), Due(a, lim))
+	}
+}
+
 // TestSlot: the slots Redis's own documentation gives, and hash tags.
 func TestSlot(t *testing.T) {
 	for key, want := range map[string]int{

@@ -37,7 +37,7 @@ func TestModelMatchesRedis(t *testing.T) {
 	for _, l := range []struct {
 		rate  float64
 		burst int64
-	}{{1, 1}, {10, 10}, {100, 100}, {5.0 / 60, 5}, {1000.0 / 60, 1000}, {1.0 / 3, 7}, {1e6, 3}, {0.001, 1000}, {250, 17}} {
+	}{{1, 1}, {10, 10}, {100, 100}, {5.0 / 60, 5}, {1000.0 / 60, 1000}, {1.0 / 3, 7}, {1e6, 3}, {0.001, 1000}, {250, 17}, {7, 7}, {3, 1}} {
 		rl, err := remote.NewLimit(l.rate, l.burst)
 		if err != nil {
 			t.Fatal(err)

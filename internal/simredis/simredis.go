@@ -591,6 +591,8 @@ func (s *Server) bucket(at time.Time, key, marker string, argv []string) any {
 	last := now     // the time stored with the level
 	var due float64 // the time a debt stored as a later time is paid, if hasDue
 	hasDue := false
+	var unreserved float64 // unreserve's time to store, if hasUnreserved: a debt is left
+	hasUnreserved := false
 	flags := 0.0
 	dirty := false
 	mode := ""
@@ -677,6 +679,9 @@ func (s *Server) bucket(at time.Time, key, marker string, argv []string) any {
 				level = capacity
 			}
 			dirty = true
+			if level < 0 {
+				unreserved, hasUnreserved = due-math.Ceil(cost/q), true
+			}
 		}
 	} else if mode == "peek" {
 		if cost <= level {
@@ -711,7 +716,9 @@ func (s *Server) bucket(at time.Time, key, marker string, argv []string) any {
 		// Reads only.
 	} else if dirty {
 		stored := level
-		if level < 0 {
+		if hasUnreserved {
+			stored, last = 0, unreserved
+		} else if level < 0 {
 			stored = 0
 			last = now + math.Ceil(-level/q)
 		}
