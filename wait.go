@@ -21,10 +21,11 @@ func (lim *Limiter) Wait(ctx context.Context, key string) error {
 // So waiters, on every instance, are served in the order they reached
 // Redis, a waiter for many tokens keeps its place behind those for few, and
 // each grant costs Redis one call however many wait. If the queue is
-// full, it tries again at once allowed one place deeper than the waiters
-// that were not refused (workers that loop on Wait, re-queueing the moment
-// they are served, would otherwise take every place as it opens), and if
-// that is full too it sleeps until the queue has room for it. While Redis
+// full, it tries again at once allowed deeper than the others by n tokens
+// and the refill of the time since it was first refused (workers that loop
+// on Wait, re-queueing the moment they are served, would otherwise take
+// every place as it opens), and if that is full too it sleeps until the
+// queue has room for it. While Redis
 // is away and the local share decides, it sleeps for the RetryAfter of
 // the denial. Each sleep between tries is lengthened by up to a tenth at
 // random; it never spins. If ctx ends while it sleeps
@@ -72,12 +73,14 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 			t.Stop()
 		}
 	}()
-	// refused is set once Redis refused a reservation for a queue full
-	// to its depth: from then on this waiter may queue n tokens deeper
-	// than the others, so that those who re-queue the moment they are
-	// served (workers looping on Wait keep a queue full) cannot take
-	// every place as it opens.
-	refused := false
+	// refused is when Redis first refused a reservation for a queue full
+	// to its depth: from then on this waiter may queue deeper than the
+	// others, n tokens and the refill of the time since (see depth), so
+	// that those who re-queue the moment they are served (workers looping
+	// on Wait keep a queue full, and each of their calls is refused once
+	// too) cannot take every place as it opens, and the longest refused
+	// is served first.
+	var refused time.Time
 	for {
 		var d Decision
 		var reserve int64
@@ -142,8 +145,8 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 			// at once (the queue may be full, not overfull) and then once
 			// there is room for it, a depth's refill before the bucket
 			// would hold n.
-			if !refused {
-				refused = true
+			if refused.IsZero() {
+				refused = time.Now()
 				continue
 			}
 			delay = max(delay-span, time.Millisecond)
@@ -202,12 +205,14 @@ const maxExactUnits = 1 << 52
 // reserve ahead of the refill: a burst, or reserveFor of refill if that is
 // more (a queue only a burst deep would let waiters for one token,
 // re-queueing as soon as they are served, keep a waiter for more from ever
-// finding room), and n tokens more for a waiter that was refused (see
+// finding room), and for a waiter that was refused since refused (not
+// zero), n tokens more and the refill of the time since, up to the depth
+// again (see
 // WaitN); and no more than the refill pays before ctx's deadline, so that
 // a reservation is never granted to a waiter that cannot live to spend it.
 //
 // span is the time the refill takes to pay depth.
-func (lim *Limiter) depth(ctx context.Context, key string, n int64, refused bool) (depth int64, span time.Duration) {
+func (lim *Limiter) depth(ctx context.Context, key string, n int64, refused time.Time) (depth int64, span time.Duration) {
 	var own limits
 	ls, err := lim.limitFor(key, &own)
 	if err != nil || n < 1 || n > ls.Burst {
@@ -215,8 +220,9 @@ func (lim *Limiter) depth(ctx context.Context, key string, n int64, refused bool
 	}
 	rl := ls.rl
 	depth = max(rl.Cap(), min(int64(reserveFor/time.Microsecond), maxExactUnits/rl.Q)*rl.Q)
-	if refused {
-		depth += rl.Units(n)
+	if !refused.IsZero() {
+		waited := min(int64(time.Since(refused)/time.Microsecond), depth/rl.Q)
+		depth = min(depth+rl.Units(n)+waited*rl.Q, maxExactUnits)
 	}
 	if dl, ok := ctx.Deadline(); ok {
 		us := int64(time.Until(dl) / time.Microsecond)

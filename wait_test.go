@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/hybridlimit/hybridlimit/internal/simnet"
@@ -198,6 +199,108 @@ func TestWaitNReservedReturnsAtClose(t *testing.T) {
 		took := <-done
 		if took > 2*time.Second {
 			t.Errorf("WaitN returned %v after it began, Close came at 1 s; want it to return at Close", took)
+		}
+	})
+}
+
+// TestWaitFullQueueServesLateWaiters: 10 workers loop on Wait on a key of
+// 1/s (burst 1: the queue is 10 s of refill deep and they keep it full);
+// 6 callers arrive together with a deadline of a minute. Served in the
+// order they reached Redis, the last of them is granted within about 16 s
+// (16 ahead of it or with it, one a second). A looping worker is refused
+// for a full queue too, each time it re-queues: allowed only a fixed place
+// deeper once refused, it took that place as well, the late waiters got
+// in one every 11 s, and the sixth missed its minute. The longer a waiter
+// has been refused, the deeper it may queue.
+func TestWaitFullQueueServesLateWaiters(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		_, lim := waitLimiter(t, Config{Limit: Limit{Rate: 1, Burst: 1}, Heartbeat: -1, Instances: 1})
+		loop, stop := context.WithCancel(context.Background())
+		var wg sync.WaitGroup
+		var looped atomic.Int64
+		for range 10 {
+			wg.Go(func() {
+				for lim.Wait(loop, "k") == nil {
+					looped.Add(1)
+				}
+			})
+			time.Sleep(time.Millisecond)
+		}
+		time.Sleep(time.Second)
+		const late = 6
+		var lw sync.WaitGroup
+		took := make([]time.Duration, late)
+		errs := make([]error, late)
+		for i := range late {
+			lw.Go(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				start := time.Now()
+				errs[i] = lim.Wait(ctx, "k")
+				took[i] = time.Since(start)
+			})
+			time.Sleep(time.Millisecond)
+		}
+		lw.Wait()
+		before := looped.Load()
+		stop()
+		wg.Wait()
+		for i := range late {
+			t.Logf("late waiter %d: %v after %v", i, errs[i], took[i])
+			if errs[i] != nil || took[i] > 20*time.Second {
+				t.Errorf("late waiter %d: Wait = %v after %v; want granted within about 16 s (at most 16 waiters ahead of it at 1/s)", i, errs[i], took[i])
+			}
+		}
+		t.Logf("the 10 looping workers were granted %d tokens meanwhile", before)
+	})
+}
+
+// TestWaitGiveBacksInReverseOrder: PerSecond(7), burst 1, the bucket
+// empty. Three waiters queue (due at 1/7, 2/7 and 3/7 s); the last one
+// gives up, then the middle one: each is the bucket's last change when it
+// gives up, so both are given back, and a new waiter is due right after
+// the first, at 2/7 s. With 7 units a microsecond and 10^6 units a token,
+// the due time stored after the first give-back was rounded again, a
+// microsecond past the middle waiter's, whose give-back was then refused.
+func TestWaitGiveBacksInReverseOrder(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		_, lim := waitLimiter(t, Config{Limit: Limit{Rate: 7, Burst: 1}, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
+		if d, err := lim.Allow(ctx, "k"); err != nil || !d.Allowed {
+			t.Fatalf("Allow = %+v, %v", d, err)
+		}
+		start := time.Now()
+		var wg sync.WaitGroup
+		first := make(chan time.Duration, 1)
+		wg.Go(func() {
+			if err := lim.Wait(ctx, "k"); err != nil {
+				t.Errorf("first Wait = %v", err)
+			}
+			first <- time.Since(start)
+		})
+		synctest.Wait()
+		var cancels []context.CancelFunc
+		for range 2 {
+			wctx, cancel := context.WithCancel(ctx)
+			cancels = append(cancels, cancel)
+			wg.Go(func() { _ = lim.Wait(wctx, "k") })
+			synctest.Wait()
+		}
+		cancels[1]() // the last one gives up
+		synctest.Wait()
+		cancels[0]() // then the middle one: the last change again
+		synctest.Wait()
+		var newcomer time.Duration
+		wg.Go(func() {
+			if err := lim.Wait(ctx, "k"); err != nil {
+				t.Errorf("new Wait = %v", err)
+			}
+			newcomer = time.Since(start)
+		})
+		wg.Wait()
+		t.Logf("first waiter served at %v, the newcomer at %v", <-first, newcomer)
+		if want := 2 * time.Second / 7; newcomer > want+time.Millisecond {
+			t.Errorf("newcomer served at %v; want at %v (both give-backs taken: only the first waiter ahead of it)", newcomer, want)
 		}
 	})
 }
