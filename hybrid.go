@@ -100,10 +100,11 @@ type Decision struct {
 	Granted int64
 	// Remaining is how many whole tokens the deciding bucket holds after
 	// the decision. With PerSecond(10), a fresh key after AllowN(ctx, key, 3)
-	// has Remaining 7. Under ModeLocal it counts this instance's share;
-	// under ModeLease the tokens left in this instance's lease and those
-	// Redis's bucket held when it last answered for the key, refilled
-	// since; under ModeFailOpen and ModeFailClosed it is 0 (unknown).
+	// has Remaining 7. Under ModeLocal it counts this instance's share.
+	// With Config.Lease it counts the tokens left in this instance's lease
+	// too: under ModeLease, those and what Redis's bucket held when it
+	// last answered for the key, refilled since. Under ModeFailOpen and
+	// ModeFailClosed it is 0 (unknown).
 	Remaining int64
 	// RetryAfter is, when denied, how long until the bucket can hold n
 	// tokens, for AllowAtMost one token (under ModeFailClosed: until the
@@ -775,6 +776,12 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		}
 		if atMost && res.Allowed {
 			d.Granted = 1 + res.Leased
+		}
+		if res.Leased > 0 && !atMost {
+			// The lease just taken is the caller's to spend too, as a
+			// decision from it says: Remaining does not fall by the lease
+			// at each grant and rise back at the next decision.
+			d.Remaining = min(d.Remaining+lim.shares.Leased(sent, key, rl), ls.Burst)
 		}
 		if res.Allowed && res.Level < 0 {
 			d.wait = ceilMicros(-res.Level, rl.Q) // granted ahead of the refill

@@ -102,11 +102,11 @@ func TestLeaseLifecycle(t *testing.T) {
 		}
 		return d
 	}
-	step("first", ModeRemote, true, 15) // 1 taken, 4 leased, 15 left in Redis
+	// A decision tells what the caller may still spend: what the lease
+	// holds, and what Redis's bucket held (the refill of a token in
+	// 1,000 s adds nothing). It falls by one a decision.
+	step("first", ModeRemote, true, 4+15) // 1 taken, 4 leased, 15 left in Redis
 	counted := lim.count.Load()
-	// A decision from the lease tells what the caller may still spend:
-	// what the lease holds, and what Redis's bucket held (the refill of a
-	// token in 1,000 s adds nothing).
 	for i := int64(3); i >= 0; i-- {
 		step("from the lease", ModeLease, true, i+15)
 	}
@@ -114,7 +114,7 @@ func TestLeaseLifecycle(t *testing.T) {
 	if got := lim.count.Load() - counted; got != 4 {
 		t.Errorf("4 decisions from the lease counted %d times for the fleet; want 4", got)
 	}
-	step("lease spent", ModeRemote, true, 10)
+	step("lease spent", ModeRemote, true, 4+10)
 	d := step("from the second lease", ModeLease, true, 3+10)
 	if err := lim.Refund(ctx, "k", d, 1); err != nil {
 		t.Fatal(err)
@@ -262,4 +262,37 @@ func TestLeaseHeldBeyondTheBurst(t *testing.T) {
 	if admitted != 3 {
 		t.Errorf("at one instant, %d admitted; want 3: the burst of 2 and the token leased before", admitted)
 	}
+}
+
+// TestLeaseRemainingFallsByOne: one client alone on PerSecond(100) with
+// Lease 5, no time passing: Remaining falls by the one token each decision
+// spends, whether Redis decided (and leased) or the lease did. Left out of
+// the Redis decision that took it, the lease made Remaining fall by
+// 1+Lease at every renewal and rise again at the next decision: 94, 98,
+// 97, 96, 95, 94, 88, 92.
+func TestLeaseRemainingFallsByOne(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		_, lim := waitLimiter(t, Config{Limit: PerSecond(100), Lease: 5, LeaseFor: time.Second, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
+		prev := int64(-1)
+		var seq []int64
+		for i := range 14 {
+			d, err := lim.Allow(ctx, "k")
+			if err != nil || !d.Allowed {
+				t.Fatalf("Allow %d = %+v, %v", i, d, err)
+			}
+			seq = append(seq, d.Remaining)
+			if d.Remaining > 100 || d.Remaining < 0 {
+				t.Errorf("decision %d (%v): Remaining %d; want 0 to the burst, 100", i, d.Mode, d.Remaining)
+			}
+			if prev >= 0 && d.Remaining < prev-1 {
+				t.Errorf("decision %d (%v): Remaining fell from %d to %d for one token spent", i, d.Mode, prev, d.Remaining)
+			}
+			if prev >= 0 && d.Remaining > prev {
+				t.Errorf("decision %d (%v): Remaining rose from %d to %d with no time passing", i, d.Mode, prev, d.Remaining)
+			}
+			prev = d.Remaining
+		}
+		t.Logf("Remaining: %v", seq)
+	})
 }
