@@ -664,16 +664,25 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int, capacit
 		return b.lim
 	}
 	if b.r != r || b.burst != burst {
-		// Rare: the limit changed. Changing the limiter under sh.mu keeps
-		// it in step with b when calls with different limits race. What
-		// was spent so far is measured under the old limit and kept as
-		// owed, and spending is measured afresh from here: measured from
-		// the old start at the new rate, a raised limit would look spent.
-		b.owed += s.spent(b, now)
+		// Rare: the limit changed (a share's weight moves with the
+		// fleet's heartbeats, a little, in the middle of an outage).
+		// Changing the limiter under sh.mu keeps it in step with b when
+		// calls with different limits race. The bucket left untouched goes
+		// on from where it is, under the new limit, from now: measured
+		// from the old start at the new rate, a raised limit would look
+		// spent. What was spent and the new limit no longer shows (a
+		// lowered burst cuts both buckets) is kept as owed. Started again
+		// from the bucket's own level instead, the untouched bucket,
+		// which had lost its refill at its cap as Redis's did, was
+		// counted as spent once more at each change: two weight changes
+		// in an outage charged 169 tokens where 105 were due.
+		untouched := s.untouched(b, now)
+		before := max(untouched-b.lim.TokensAt(now), 0)
 		b.lim.SetLimitAt(now, r)
 		b.lim.SetBurstAt(now, burst)
 		b.r, b.burst = r, burst
-		b.seed, b.seedAt = b.lim.TokensAt(now), s.mono(now)
+		b.seed, b.seedAt = math.Min(untouched, float64(burst)), s.mono(now)
+		b.owed += max(before-max(b.seed-b.lim.TokensAt(now), 0), 0)
 	}
 	return b.lim
 }
@@ -685,8 +694,14 @@ func (s *Shares) spent(b *bucket, now time.Time) float64 {
 	if b.lim == nil {
 		return 0
 	}
-	untouched := math.Min(float64(b.burst), b.seed+float64(b.r)*now.Sub(s.time(b.seedAt)).Seconds())
-	return max(untouched-b.lim.TokensAt(now), 0)
+	return max(s.untouched(b, now)-b.lim.TokensAt(now), 0)
+}
+
+// untouched returns what b's local bucket would hold at now had nothing
+// been taken from it: its starting level refilled since, up to its burst.
+// untouched requires that the shard's mu is held and that b.lim is set.
+func (s *Shares) untouched(b *bucket, now time.Time) float64 {
+	return math.Min(float64(b.burst), b.seed+float64(b.r)*now.Sub(s.time(b.seedAt)).Seconds())
 }
 
 // entry returns key's entry, creating an empty one (making room at now if

@@ -694,6 +694,31 @@ func TestDrainAcrossLimitChange(t *testing.T) {
 	}
 }
 
+// TestDrainAcrossShareChanges: a share kept empty by its traffic through
+// an outage, whose weight moves a little twice meanwhile (the fleet's
+// heartbeats answered by a slow Redis): what it spent beyond what the
+// bucket would hold untouched is one burst, as for no change. Started
+// again from the bucket's own level at each change, the untouched bucket,
+// at its cap, counted as spent once more each time: three bursts.
+func TestDrainAcrossShareChanges(t *testing.T) {
+	s := New(1000)
+	s.Observe(t0, 1, "a", 10, 10, 10) // full
+	rates := []rate.Limit{10, 10.01, 10.02}
+	for ms := 0; ms < 3000; ms += 10 {
+		at := t0.Add(time.Duration(ms) * time.Millisecond)
+		r := rates[ms/1000]
+		for s.AllowN(at, "a", r, 10, 10, 1).Allowed {
+		}
+	}
+	end := t0.Add(3 * time.Second)
+	left, _ := s.Peek(end, "a", rates[2], 10, 10)
+	var got float64
+	s.Drain(end, nil, func(_ string, spent float64, _ Entry) { got = spent })
+	if want := 10 - left; math.Abs(got-want) > 0.01 {
+		t.Errorf("Drain after two small changes of the share's rate = %.2f; want %.2f, a burst less the %.2f tokens left", got, want, left)
+	}
+}
+
 // TestObserveHoldsNoPart: what Redis said of a key is kept without a part
 // of its consumption, which only Count, used where key shares are in use,
 // adds: a Limiter without heartbeats would keep 144 idle bytes per key.
