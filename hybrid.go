@@ -132,6 +132,7 @@ type Decision struct {
 
 	wait time.Duration // WaitN: how long a reservation must wait
 	due  int64         // WaitN: when Redis's bucket has paid the reservation (remote.Due)
+	dueQ int64         // WaitN: the reservation's limit's Q: a give-back under another is not sent
 	// took is, for a Shadowed decision, the tokens the limit did grant
 	// and the bucket gave (AllowAtMost's partial grant): Refund gives
 	// back no more.
@@ -752,6 +753,10 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		// bucket holds": one token, and up to n-1 more.
 		req = remote.Request{Key: rkey, Limit: rl, Units: rl.Units(1), Lease: n - 1}
 	}
+	var heldBefore int64 // leased tokens held when the call was sent
+	if lim.cfg.Lease > 0 && !atMost {
+		heldBefore = lim.shares.Leased(sent, key, rl)
+	}
 	res, o := lim.call(ctx, nd, whenClosed, req)
 	switch o {
 	case answered:
@@ -780,12 +785,17 @@ func (lim *Limiter) decide(ctx context.Context, key string, n int64, ls *limits,
 		if res.Leased > 0 && !atMost {
 			// The lease just taken is the caller's to spend too, as a
 			// decision from it says: Remaining does not fall by the lease
-			// at each grant and rise back at the next decision.
-			d.Remaining = min(d.Remaining+lim.shares.Leased(sent, key, rl), ls.Burst)
+			// at each grant and rise back at the next decision. With
+			// what was leased before this call left (those tokens left
+			// Redis's bucket before it ran), and no more than the lease
+			// holds now: a lease another call took after this one ran is
+			// in this one's level already, and an expired one is nobody's.
+			now := lim.cfg.now()
+			d.Remaining = min(d.Remaining+min(heldBefore+res.Leased, lim.shares.Leased(now, key, rl)), ls.Burst)
 		}
 		if res.Allowed && res.Level < 0 {
 			d.wait = ceilMicros(-res.Level, rl.Q) // granted ahead of the refill
-			d.due = remote.Due(res, rl)
+			d.due, d.dueQ = remote.Due(res, rl), rl.Q
 		}
 		return nil
 	case callerGone:

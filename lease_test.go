@@ -6,6 +6,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -294,5 +295,72 @@ func TestLeaseRemainingFallsByOne(t *testing.T) {
 			prev = d.Remaining
 		}
 		t.Logf("Remaining: %v", seq)
+	})
+}
+
+// TestLeaseCountedOnceInRemaining: one instance, a bucket of 100 with no
+// refill to speak of, Lease 40. Two decisions on the
+// key find no lease and go to Redis at once; Redis runs A first (1 taken,
+// 40 leased: 59 left) and B next (1 taken, 40 leased: 18 left), but B's
+// answer comes first (A's connection is slower). A's decision added the
+// whole lease, B's 40 included, to its level of 59, which still held B's
+// 40 tokens: Remaining 100, a full bucket, where 99 were left when A was
+// decided (98 in all after B). It counts its own lease, and what was
+// leased before it was sent.
+func TestLeaseCountedOnceInRemaining(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		r, lim := waitLimiter(t, Config{Limit: Limit{Rate: 1e-3, Burst: 100}, Lease: 40, LeaseFor: time.Minute,
+			Timeout: time.Second, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
+		r.link.SetLatency(10 * time.Millisecond) // A's reply is slow
+		var a Decision
+		var wg sync.WaitGroup
+		wg.Go(func() {
+			var err error
+			if a, err = lim.Allow(ctx, "k"); err != nil {
+				t.Errorf("A: %v", err)
+			}
+		})
+		synctest.Wait() // A ran in Redis, its reply on the way
+		r.link.SetLatency(0)
+		b, err := lim.Allow(ctx, "k")
+		if err != nil {
+			t.Fatal(err)
+		}
+		wg.Wait()
+		t.Logf("A: %v Remaining %d; B: %v Remaining %d", a.Mode, a.Remaining, b.Mode, b.Remaining)
+		if a.Mode != ModeRemote || b.Mode != ModeRemote {
+			t.Fatalf("want both decided by Redis; got %v and %v", a.Mode, b.Mode)
+		}
+		if a.Remaining != 99 || b.Remaining != 58 {
+			t.Errorf("A's Remaining = %d, B's %d; want 99 (the 59 Redis held after A, and A's lease of 40: B's, taken after A ran, is in A's level already) and 58 (18 and B's lease)", a.Remaining, b.Remaining)
+		}
+	})
+}
+
+// TestExpiredLeaseNotInRemaining: Lease 5, LeaseFor 2 ms, and an
+// answer that takes 5 ms (Timeout 50 ms). The lease a Redis decision
+// takes has expired when its answer comes, and the next decision cannot
+// spend it (it goes to Redis again); Remaining counted it, as valid at
+// the time the request was sent: 99 where the caller may spend 94, and
+// then 93 after one more token.
+func TestExpiredLeaseNotInRemaining(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		r, lim := waitLimiter(t, Config{Limit: Limit{Rate: 1e-3, Burst: 100}, Lease: 5, LeaseFor: 2 * time.Millisecond,
+			Timeout: 50 * time.Millisecond, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
+		r.link.SetLatency(5 * time.Millisecond)
+		d, err := lim.Allow(ctx, "k")
+		if err != nil || d.Mode != ModeRemote {
+			t.Fatalf("Allow = %+v, %v", d, err)
+		}
+		next, err := lim.Allow(ctx, "k")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("first: %v Remaining %d; next: %v Remaining %d", d.Mode, d.Remaining, next.Mode, next.Remaining)
+		if d.Remaining > 94 {
+			t.Errorf("Remaining = %d with a lease expired before the answer came; want 94, what Redis holds (the next decision, %v, could not spend the lease)", d.Remaining, next.Mode)
+		}
 	})
 }

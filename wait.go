@@ -174,6 +174,14 @@ func (lim *Limiter) unreserve(ctx context.Context, key string, d Decision, n int
 		return
 	}
 	rl := ls.rl
+	if rl.Q != d.dueQ {
+		// The limit changed since the reservation (its P the script
+		// checks): given back at another rate, the debt it removes is not
+		// the one the reservation added (lowered from 9/s to 1/s, nine
+		// times as much: an empty bucket granted 8 tokens at once). The
+		// tokens are lost, erring on refusing.
+		return
+	}
 	sent := lim.cfg.now()
 	// The decision's path, as a Refund's: nowhere while the node's breaker
 	// is not closed.
@@ -192,9 +200,10 @@ func (lim *Limiter) unreserve(ctx context.Context, key string, d Decision, n int
 // is looked at again, and the arithmetic of the jitter never overflows.
 const maxWaitStep = time.Minute
 
-// reserveFor is how much refill a WaitN may reserve ahead at most, beyond
-// a burst: waiters queue for at most that long, and the tokens of a
-// process that dies while queued are lost for at most that long.
+// reserveFor is how much refill a WaitN may reserve ahead, beyond a burst:
+// waiters queue for about that long, twice as long at most for those that
+// were refused (see depth), and the tokens of a process that dies while
+// queued are lost for at most that long.
 const reserveFor = 10 * time.Second
 
 // maxExactUnits bounds a reservation's depth, so that the script's

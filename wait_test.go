@@ -304,3 +304,40 @@ func TestWaitGiveBacksInReverseOrder(t *testing.T) {
 		}
 	})
 }
+
+// TestWaitGiveBackAfterLoweredLimit: a key of PerSecond(9) burst 9 is
+// spent; a WaitN for 9 tokens reserves them (due in 1 s); the operator
+// lowers the limit to PerSecond(1) (same burst) and the waiter gives up.
+// Sent under the key's limit now, its give-back passed the script's check
+// of the same P (both limits have P = 10^6) and gave back 9 tokens at 1/s
+// where the reservation had added 1 s of debt: the key, empty before the
+// reservation, admitted 8 at once. A give-back under another limit is not
+// sent.
+func TestWaitGiveBackAfterLoweredLimit(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		_, lim := waitLimiter(t, Config{Limit: Limit{Rate: 9, Burst: 9}, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
+		if d, err := lim.AllowN(ctx, "k", 9); err != nil || !d.Allowed {
+			t.Fatalf("AllowN(9) = %+v, %v", d, err)
+		}
+		wctx, cancel := context.WithCancel(ctx)
+		var wg sync.WaitGroup
+		wg.Go(func() { _ = lim.WaitN(wctx, "k", 9) })
+		synctest.Wait() // reserved, sleeping on it
+		if err := lim.SetLimit(Limit{Rate: 1, Burst: 9}); err != nil {
+			t.Fatal(err)
+		}
+		cancel()
+		wg.Wait()
+		synctest.Wait() // the give-back has run
+		admitted := 0
+		for range 9 {
+			if d, err := lim.Allow(ctx, "k"); err == nil && d.Allowed {
+				admitted++
+			}
+		}
+		if admitted > 0 {
+			t.Errorf("a key spent at this instant admitted %d tokens after a reservation was given back under a lowered limit; want 0", admitted)
+		}
+	})
+}

@@ -313,6 +313,9 @@ type Request struct {
 	// later reservations it gives nothing back (their waiters keep the
 	// times they were told, and a shorter queue would let the next one
 	// fall due among theirs). Result.Allowed says whether it gave back.
+	// Limit must be the reservation's: the script checks its P, and under
+	// another Q (another rate of the same P) the debt it removes is not
+	// the one the reservation added.
 	Unreserve int64
 	// Cancelable says that ctx may be cancelled before its deadline, or
 	// the Pipe closed, and that Do must return then. Without it, a call
