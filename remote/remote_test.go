@@ -786,12 +786,15 @@ func TestReserve(t *testing.T) {
 	})
 }
 
-// TestUnreserve: a reservation whose waiter gave up is given back while it
-// is the bucket's last change, and not once another was made behind it:
-// that waiter keeps the time it was told.
-func TestUnreserve(t *testing.T) {
-	m, p := newMini(t)
-	lim := mustLimit(t, 10, 5)
+// emptyForReservations returns a Pipe on miniredis, at t0, whose key "k"
+// of the limit rate per second, burst 5, has just been emptied; reserve
+// takes n tokens of it into debt, 5 tokens deep at most, and unreserve
+// gives back n tokens of a reservation.
+func emptyForReservations(t *testing.T, rate float64) (m *miniredis.Miniredis, p *Pipe, lim Limit,
+	reserve func(n int64) Result, unreserve func(n int64, of Result) Result) {
+	t.Helper()
+	m, p = newMini(t)
+	lim = mustLimit(t, rate, 5)
 	ctx := context.Background()
 	m.SetTime(t0)
 	if res, err := p.Take(ctx, "k", lim, 5); err != nil || !res.Allowed {
@@ -806,8 +809,17 @@ func TestUnreserve(t *testing.T) {
 		}
 		return res
 	}
-	reserve := func(n int64) Result { return do(Request{Units: lim.Units(n), Reserve: lim.Units(5)}) }
-	unreserve := func(n int64, of Result) Result { return do(Request{Units: lim.Units(n), Unreserve: Due(of, lim)}) }
+	reserve = func(n int64) Result { return do(Request{Units: lim.Units(n), Reserve: lim.Units(5)}) }
+	unreserve = func(n int64, of Result) Result { return do(Request{Units: lim.Units(n), Unreserve: Due(of, lim)}) }
+	return m, p, lim, reserve, unreserve
+}
+
+// TestUnreserve: a reservation whose waiter gave up is given back while it
+// is the bucket's last change, and not once another was made behind it:
+// that waiter keeps the time it was told.
+func TestUnreserve(t *testing.T) {
+	m, p, lim, reserve, unreserve := emptyForReservations(t, 10)
+	ctx := context.Background()
 	a := reserve(2)
 	if got := unreserve(2, a); !got.Allowed || got.Level != 0 {
 		t.Errorf("give back the last reservation = %+v; want given back, level 0", got)
@@ -839,32 +851,13 @@ func TestUnreserve(t *testing.T) {
 // give-back was rounded up again, a microsecond past the first's due: the
 // first's give-back was refused, its token lost.
 func TestUnreserveRounding(t *testing.T) {
-	m, p := newMini(t)
-	lim := mustLimit(t, 7, 5)
-	ctx := context.Background()
-	m.SetTime(t0)
-	if res, err := p.Take(ctx, "k", lim, 5); err != nil || !res.Allowed {
-		t.Fatalf("Take(5) = %+v, %v", res, err)
-	}
-	do := func(r Request) Result {
-		t.Helper()
-		r.Key, r.Limit = "k", lim
-		res, err := p.Do(ctx, r)
-		if err != nil {
-			t.Fatalf("%+v: %v", r, err)
-		}
-		return res
-	}
-	reserve := func(n int64) Result { return do(Request{Units: lim.Units(n), Reserve: lim.Units(5)}) }
-	unreserve := func(n int64, of Result) bool {
-		return do(Request{Units: lim.Units(n), Unreserve: Due(of, lim)}).Allowed
-	}
+	_, _, lim, reserve, unreserve := emptyForReservations(t, 7)
 	a, b, c := reserve(1), reserve(1), reserve(1)
 	for _, w := range []struct {
 		name string
 		of   Result
 	}{{"c", c}, {"b", b}, {"a", a}} {
-		if !unreserve(1, w.of) {
+		if !unreserve(1, w.of).Allowed {
 			t.Errorf("give back %s, the last change: not given back", w.name)
 		}
 	}
