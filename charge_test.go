@@ -678,6 +678,66 @@ func TestProbeSuccessCountedBeforeItsPass(t *testing.T) {
 	})
 }
 
+// TestProbeChargesWhatFollowsAResentCharge: a local admission's charge
+// goes unanswered (a latency spike, the breaker closed), then Redis goes
+// away and the instance spends more of the key locally. When Redis is
+// back, the probe's pass sends the unanswered charge again under its Once,
+// and what was spent after it goes under a new Once once that one is
+// answered: in the same probe, before the breaker closes. Left to the
+// reconciler's next pass, 100 ms after the close, it let the decisions
+// meanwhile take from a bucket not yet charged with it.
+func TestProbeChargesWhatFollowsAResentCharge(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		limit := Limit{Rate: 0.01, Burst: 10}
+		var r *chargeRig
+		var atClose atomic.Int64 // units charged when the breaker closed, plus one
+		obs := observerFuncs{breaker: func(e BreakerEvent) {
+			if e.To == "closed" && atClose.Load() == 0 {
+				rl, _ := remote.NewLimit(limit.Rate, limit.Burst)
+				atClose.Store(int64(r.charged("k", rl)*float64(rl.P)) + 1)
+			}
+		}}
+		r = newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond,
+			Observer: obs, Breaker: BreakerConfig{OpenFor: 50 * time.Millisecond, Jitter: -1}})
+		ctx := context.Background()
+		r.decideRemote(t, "k")
+		// Redis slower than the budget: a decision times out and is
+		// admitted locally, and its charge, 100 ms on, is sent and not
+		// answered within its budget.
+		r.link.SetLatency(80 * time.Millisecond)
+		admit := func(n int64) {
+			t.Helper()
+			if d, err := r.lim.AllowN(ctx, "k", n); err != nil || !d.Allowed || d.Mode != ModeLocal {
+				t.Fatalf("AllowN(%d) = %+v, %v; want a local admission", n, d, err)
+			}
+		}
+		admit(2)
+		time.Sleep(250 * time.Millisecond)
+		// Four more time-outs open the breaker; two more while it is open.
+		for range 4 + 2 {
+			admit(1)
+		}
+		if st := r.lim.single.cb.State(); st != breaker.StateOpen {
+			t.Fatalf("breaker %v; want open", st)
+		}
+		r.link.SetLatency(0)
+		time.Sleep(time.Second)
+		rl, err := remote.NewLimit(limit.Rate, limit.Burst)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if atClose.Load() == 0 {
+			t.Fatal("the breaker did not close")
+		}
+		closed := float64(atClose.Load()-1) / float64(rl.P)
+		t.Logf("charged when the breaker closed: %.2f of 8 tokens; a second later: %.2f", closed, r.charged("k", rl))
+		if closed < 8-0.5 {
+			t.Errorf("the breaker closed with %.2f of the 8 tokens spent locally charged; want all of them", closed)
+		}
+		time.Sleep(time.Second) // go-redis's dials refused in the outage end their back-off
+	})
+}
+
 // TestCloseChargesWhatIsOwed: a rolling deploy closes an instance right
 // after a decision of its timed out and was admitted locally, its breaker
 // closed (a latency spike). What it spent is owed to Redis and charged

@@ -76,7 +76,16 @@ func (lim *Limiter) reconciler() {
 // probe whose node stopped answering during the pass must not close the
 // breaker on its earlier success.
 func (lim *Limiter) reconcile(ctx context.Context, probing *node) bool {
-	return lim.charge(ctx, probing, false)
+	ok, held := lim.charge(ctx, probing, false)
+	if ok && held {
+		// What was spent behind a charge sent again goes under a new
+		// Once once that one is answered (see charge): now, in a second
+		// pass, rather than reconcileAfter later, so that a probe closes
+		// its breaker on a bucket charged with all of it; the decisions
+		// in between would take from a bucket not yet charged with it.
+		ok, _ = lim.charge(ctx, probing, false)
+	}
+	return ok
 }
 
 // settle charges a new master, nd, with the local spending on its keys
@@ -86,18 +95,20 @@ func (lim *Limiter) settle(ctx context.Context, nd *node) {
 	lim.charge(ctx, nd, true)
 }
 
-// charge is reconcile, and with only, settle. It reports whether no charge
-// to probing met a node that could not answer.
-func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) bool {
+// charge is reconcile, and with only, settle. ok reports whether no charge
+// to probing met a node that could not answer; held, whether spending was
+// held back behind charges sent again, all of which were answered: a pass
+// now would charge it.
+func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) (ok, held bool) {
 	if lim.cfg.noReconcile {
-		return true
+		return true, false
 	}
 	// The prober and the reconciler both reconcile: one at a time, or
 	// both would report what the other has in flight.
 	select {
 	case lim.reconciling <- struct{}{}:
 	case <-ctx.Done():
-		return true // owed to the next reconciliation
+		return true, false // owed to the next reconciliation
 	}
 	defer func() { <-lim.reconciling }()
 	if lim.cfg.onPass != nil {
@@ -201,6 +212,9 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) bool {
 			}
 		}
 		delete(lim.unanswered, key)
+		if resent && spent > local.Negligible {
+			held = true
+		}
 		if !resent && spent > local.Negligible {
 			lim.onces++
 			add(pendingCharge{once: lim.onceBase + strconv.FormatUint(lim.onces, 36), spent: spent, sent: now, entry: entry})
@@ -212,7 +226,7 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) bool {
 		}
 	}
 	if len(charges) == 0 {
-		return true
+		return true, false
 	}
 	var (
 		mu     sync.Mutex
@@ -289,7 +303,7 @@ func (lim *Limiter) charge(ctx context.Context, probing *node, only bool) bool {
 	lim.chargesFailed.Add(uint64(failed))
 	lim.cfg.Logger.Info("hybridlimit: charged Redis for local spending",
 		"limiter", lim.cfg.Name, "keys", len(charges), "failed", failed)
-	return probing == nil || !troubled[probing]
+	return probing == nil || !troubled[probing], held && failed == 0
 }
 
 // pendingCharge is a charge of spent tokens, named once so that Redis
