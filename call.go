@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/hybridlimit/hybridlimit/breaker"
+	"github.com/hybridlimit/hybridlimit/internal/ctxend"
 	"github.com/hybridlimit/hybridlimit/remote"
 )
 
@@ -286,13 +287,7 @@ func (lim *Limiter) classify(ctx context.Context, err error, budget time.Duratio
 
 // ended reports whether ctx is done or its deadline has passed: a
 // context's Err lags its deadline by a timer's firing.
-func ended(ctx context.Context) bool {
-	if ctx.Err() != nil {
-		return true
-	}
-	dl, ok := ctx.Deadline()
-	return ok && !time.Now().Before(dl)
-}
+func ended(ctx context.Context) bool { return ctxend.Err(ctx) != nil }
 
 // coldFor bounds the first contact: past it, time-outs count whether or
 // not warm has returned, so that a pod started against a hung Redis (whose

@@ -17,6 +17,7 @@ import (
 
 	"github.com/hybridlimit/hybridlimit"
 	"github.com/hybridlimit/hybridlimit/httplimit"
+	"github.com/hybridlimit/hybridlimit/internal/ctxend"
 )
 
 // Errors of this package. Test for them with errors.Is.
@@ -412,7 +413,7 @@ func (ic *Interceptor) check(ctx context.Context, method string) (metadata.MD, e
 // context if that ended, else, after logging err, ErrorHandler's, or nil
 // with PassOnError.
 func (ic *Interceptor) failed(ctx context.Context, method string, grants []grant, err error) error {
-	if cerr := callerGone(ctx); cerr != nil {
+	if cerr := ctxend.Err(ctx); cerr != nil {
 		// The caller gave up or its deadline passed: not an error of ours
 		// to log, and the call is not served. Its status says only that
 		// (a KeyFunc's error text never reaches the client). A KeyFunc's
@@ -433,19 +434,6 @@ func (ic *Interceptor) failed(ctx context.Context, method string, grants []grant
 		return serr
 	}
 	return DefaultErrorHandler(ctx, method, err)
-}
-
-// callerGone returns ctx's error if the caller cancelled the call or its
-// deadline passed (a context's Err lags its deadline by a timer's
-// firing), nil while the call lives.
-func callerGone(ctx context.Context) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
-		return context.DeadlineExceeded
-	}
-	return nil
 }
 
 // refund gives back the tokens of grants, and, with fields, raises the

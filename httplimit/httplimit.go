@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/hybridlimit/hybridlimit"
+	"github.com/hybridlimit/hybridlimit/internal/ctxend"
 )
 
 // ErrInvalidConfig is wrapped by every error New returns, and by the error
@@ -223,17 +224,6 @@ func DefaultErrorHandler(w http.ResponseWriter, r *http.Request, err error) {
 // which access logs and dashboards know as the client's doing.
 const StatusClientClosedRequest = 499
 
-// requestEnded reports whether r's client hung up or its deadline passed:
-// a context's Err lags its deadline by a timer's firing.
-func requestEnded(r *http.Request) bool {
-	ctx := r.Context()
-	if ctx.Err() != nil {
-		return true
-	}
-	dl, ok := ctx.Deadline()
-	return ok && !time.Now().Before(dl)
-}
-
 // grant is a rule that took tokens for the request in hand.
 type grant struct {
 	rule *Rule
@@ -308,7 +298,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 // refunded and ErrorHandler writes the response.
 func (m *Middleware) failed(ctx context.Context, w http.ResponseWriter, r *http.Request, grants []grant, err error) bool {
 	level := slog.LevelError
-	if requestEnded(r) || errors.Is(err, hybridlimit.ErrClosed) {
+	if ctxend.Err(r.Context()) != nil || errors.Is(err, hybridlimit.ErrClosed) {
 		// The client hung up or the request's deadline passed (a KeyFunc
 		// that looks the key up under the request's context fails
 		// then), or the server is shutting down (every request then,
