@@ -10,7 +10,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/remote"
 	"github.com/redis/go-redis/v9"
 )
@@ -214,14 +213,31 @@ func newHeart(lim *Limiter) *heart {
 		prev:  math.MinInt64,
 		at:    -1,
 	}
-	h.nextWindow(time.Now())
+	h.nextWindow(time.Now(), false)
 	return h
 }
 
 // nextWindow makes the next step the count of the window now is in (a
-// window at a time, even if the skew moves back).
-func (h *heart) nextWindow(now time.Time) {
-	h.k = max(now.Add(h.skew).UnixNano()/int64(h.every), h.prev+1)
+// window at a time, even if the skew moves back); the windows skipped
+// count nothing. With follow (the last report was answered), it is the
+// window after the last one if its report can still be taken: a report
+// answered after that window ended (Redis slower than what was left of
+// it) is followed at once by that window's count and report, which Redis
+// takes up to two windows late, rather than leaving the instance out of
+// that window's sum. Not after a report that went unanswered: its node
+// may have hung and been replaced by a replica that lacked the last
+// reports, and a read sent at once, before the Cluster client has loaded
+// the new layout, would count reports the replica does not hold (heart.
+// master).
+func (h *heart) nextWindow(now time.Time, follow bool) {
+	cur := now.Add(h.skew).UnixNano() / int64(h.every)
+	h.k = h.prev + 1
+	if !follow || h.prev == math.MinInt64 || cur > h.k+1 {
+		for w := max(h.k, cur-reportWindows+1); w < cur; w++ {
+			h.counts[w%reportWindows] = 0
+		}
+		h.k = max(cur, h.k)
+	}
 	h.prev = h.k
 	h.end = time.Unix(0, (h.k+1)*int64(h.every)).Add(-h.skew)
 	h.counting, h.due = true, h.end
@@ -295,11 +311,14 @@ func (h *heart) beat() remote.Beat {
 }
 
 // skip says whether the report of window k is not to be sent: the
-// Limiter is closed, or its breaker is open (Redis is away, and the
-// heartbeat would only wait for it).
+// Limiter is closed. An open breaker does not stop it: a Redis slower than
+// the decisions' Timeout may still answer within the heartbeat's budget
+// of a window, and an instance that skipped its report would be left out
+// of that window's sum, to hold a ticket's part (thousandths of the
+// limit) if Redis went away altogether in the next windows, while the
+// instances counted split its part among them.
 func (h *heart) skip() bool {
-	lim := h.lim
-	return lim.ctx.Err() != nil || lim.single != nil && lim.single.cb.State() == breaker.StateOpen
+	return h.lim.ctx.Err() != nil
 }
 
 // answer stores what the report of window k sent at sent, and answered at
@@ -347,7 +366,7 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 		taken, mark = b.Heartbeat.Taken, b.Heartbeat.Mark
 	}
 	h.sent[h.k%4] = report{window: h.k, tokens: min(h.offered, remote.MaxReport), taken: taken, mark: mark, master: h.sending}
-	h.nextWindow(got)
+	h.nextWindow(got, b != nil && b.Err == nil)
 }
 
 // report is one heartbeat's report, as this instance remembers it.

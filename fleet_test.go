@@ -437,3 +437,43 @@ func TestCloseDuringHeartbeatWithUnboundedReadTimeout(t *testing.T) {
 		closesWithinAMinute(t, lim, "Redis hung during a heartbeat", link.Resume)
 	})
 }
+
+// TestHeartFollowsALateAnswer: a report answered after the window that
+// follows it ended (Redis slower than what was left of that window) is
+// followed by that window's count and report, which Redis still takes; it
+// skipped to the window the answer came in (as it still does after a
+// report that went unanswered: heart.nextWindow says why), and the instance, left out of
+// the window skipped, held a ticket's part when its sum was read (0.005
+// of the limit where it served 60% of the traffic,
+// TestSimSlowRedisKeepsWeights). After a longer gap the windows skipped
+// count nothing: their places in the report's ring held what they counted
+// four windows before.
+func TestHeartFollowsALateAnswer(t *testing.T) {
+	at := func(window int64, ms int64) time.Time { return time.UnixMilli(window*1000 + ms) }
+	h := newHandHeart().h
+	h.nextWindow(at(100, 0), false)
+	if h.k != 100 {
+		t.Fatalf("first window %d; want 100", h.k)
+	}
+	h.counts = [reportWindows]int64{9, 9, 9, 9}
+	h.nextWindow(at(102, 300), true) // window 100's report, answered in window 102
+	if h.k != 101 {
+		t.Errorf("after a report of window 100 answered in window 102, the next window counted is %d; want 101", h.k)
+	}
+	if !h.end.Before(at(102, 300)) {
+		t.Errorf("window 101's count is due at %v; want at once (it ended at %v)", h.end, at(102, 0))
+	}
+	h.nextWindow(at(110, 0), true) // a long stall
+	if h.k != 110 {
+		t.Errorf("after a stall to window 110, the next window counted is %d; want 110", h.k)
+	}
+	h.nextWindow(at(112, 300), false) // window 110's report went unanswered
+	if h.k != 112 {
+		t.Errorf("after a report of window 110 that went unanswered in window 112, the next window counted is %d; want 112", h.k)
+	}
+	for w := int64(107); w < 110; w++ {
+		if c := h.counts[w%reportWindows]; c != 0 {
+			t.Errorf("after a stall, window %d counts %d; want nothing (the windows skipped)", w, c)
+		}
+	}
+}

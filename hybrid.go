@@ -919,6 +919,12 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, atMost b
 		*d = Decision{Mode: ModeFailClosed, RetryAfter: lim.untilProbe(nd)}
 		return
 	}
+	// What is offered while Redis is away counts for the fleet's weights
+	// as it does while Redis decides: the heartbeats go on reaching a
+	// Redis too slow for decisions but not for them, and weights that
+	// counted only Redis's decisions would fall to an even split after a
+	// few windows of it.
+	lim.tally(key, n, ls, false, 0)
 	r, burst, capacity := lim.share(key, ls.Limit, nd)
 	if atMost {
 		n = min(n, int64(burst))

@@ -1,6 +1,7 @@
 package hybridlimit
 
 import (
+	"math"
 	"runtime"
 	"testing"
 	"time"
@@ -400,5 +401,104 @@ func TestSimShiftMovesTraffic(t *testing.T) {
 	t.Logf("slot 2 sent %.0f calls after the shift over 6 runs; %.0f expected", got, want)
 	if got < want/2 {
 		t.Errorf("slot 2 sent %.0f calls after the shift over 6 runs; want about %.0f (80%% of the offered traffic)", got, want)
+	}
+}
+
+// TestSimFlapKeepsShares: Redis slower than Timeout but well within a
+// heartbeat's budget for two windows (a slow command, a failing-over
+// proxy), every breaker opens; then Redis is gone. Each instance was
+// serving a third of the traffic all along and must hold about a third
+// of the limit in the outage: one left out of a window's reports by the
+// slow stretch holds only a ticket's part (thousandths of the limit),
+// and the fleet admits a third or two thirds of its limit.
+func TestSimFlapKeepsShares(t *testing.T) {
+	const secs = 3 // the outage seconds checked, after it settled
+	var worst float64 = math.Inf(1)
+	for seed := uint64(1); seed <= 4; seed++ {
+		s := schedule{Seed: seed, Instances: 3, Slots: 3, CfgInst: 3, Policy: FailLocal, Limit: Limit{Rate: 100, Burst: 100},
+			Timeout: 50 * time.Millisecond, Probes: 1, Keys: 1, Shape: "even", Offered: 300, Deadline: "none", MaxN: 1,
+			Duration: 12 * time.Second,
+			Events: []event{
+				{At: 4 * time.Second, Kind: "latency", For: 2 * time.Second, Lat: 150 * time.Millisecond},
+				{At: 7 * time.Second, Kind: "hang", For: 5 * time.Second},
+			}}
+		runtime.GC() // go-redis's timers of another bubble, out of its pool
+		runtime.GC()
+		v, recs := simulate(t, s)
+		for _, name := range invariants {
+			if msgs := v[name]; len(msgs) > 0 {
+				t.Errorf("seed %d: %s (%d): %s", seed, name, len(msgs), msgs[0])
+			}
+		}
+		var got [secs]int
+		weight := [3]float64{}
+		for _, rec := range recs {
+			if rec.wait || rec.start < 8*time.Second || rec.start >= (8+secs)*time.Second {
+				continue
+			}
+			if rec.allowed && rec.err == nil {
+				got[(rec.start-8*time.Second)/time.Second]++
+				weight[rec.inst] = rec.weight
+			}
+		}
+		t.Logf("seed %d: admitted per outage second %v, instances' shares %.3f", seed, got, weight)
+		for _, n := range got {
+			worst = math.Min(worst, float64(n))
+		}
+	}
+	if worst < 85 {
+		t.Errorf("an outage second after a slow stretch admitted %.0f; want at least 85 of the limit's 100 (every instance serves a third of the traffic)", worst)
+	}
+}
+
+// TestSimSlowRedisKeepsWeights: Redis slower than Timeout for eight
+// windows, then gone, with the traffic at 80/15/5. The heartbeats reach the
+// slow Redis (its latency is well within their budget) while every
+// decision is local: the reports must go on counting what each instance
+// is offered, or after four windows they all report nothing, the weights
+// become an even split, and the instance serving 80% of the traffic holds
+// a third of the limit, through the slow stretch and the outage after it.
+func TestSimSlowRedisKeepsWeights(t *testing.T) {
+	worst := math.Inf(1)
+	for seed := uint64(1); seed <= 4; seed++ {
+		s := schedule{Seed: seed, Instances: 3, Slots: 3, CfgInst: 3, Policy: FailLocal, Limit: Limit{Rate: 100, Burst: 100},
+			Timeout: 50 * time.Millisecond, Probes: 1, Keys: 1, Shape: "80/15/5", Offered: 300, Deadline: "none", MaxN: 1,
+			Duration: 15 * time.Second,
+			Events: []event{
+				{At: 3 * time.Second, Kind: "latency", For: 8 * time.Second, Lat: 150 * time.Millisecond},
+				{At: 11 * time.Second, Kind: "hang", For: 4 * time.Second},
+			}}
+		runtime.GC() // go-redis's timers of another bubble, out of its pool
+		runtime.GC()
+		v, recs := simulate(t, s)
+		for _, name := range invariants {
+			if msgs := v[name]; len(msgs) > 0 {
+				t.Errorf("seed %d: %s (%d): %s", seed, name, len(msgs), msgs[0])
+			}
+		}
+		// Seconds 4-10 are the slow stretch after the breakers opened,
+		// 12-14 the outage after the hang settled.
+		got := map[int]int{}
+		for _, rec := range recs {
+			sec := int(rec.start / time.Second)
+			if rec.wait || sec < 4 || sec == 11 || sec > 13 {
+				continue
+			}
+			if rec.allowed && rec.err == nil {
+				got[sec]++
+			}
+		}
+		var line []int
+		for sec := 4; sec <= 13; sec++ {
+			if sec == 11 {
+				continue
+			}
+			line = append(line, got[sec])
+			worst = math.Min(worst, float64(got[sec]))
+		}
+		t.Logf("seed %d: admitted per second, slow stretch 4-10 and outage 12-13: %v", seed, line)
+	}
+	if worst < 85 {
+		t.Errorf("a second of the slow stretch or the outage after it admitted %.0f; want at least 85 of the limit's 100", worst)
 	}
 }
