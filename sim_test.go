@@ -132,6 +132,10 @@ type schedule struct {
 	// AtMost: calls for more than one token go through AllowAtMost,
 	// which grants what the bucket holds, up to n.
 	AtMost bool
+	// GiveUp is the part of the WaitN workers' calls whose caller hangs
+	// up (its context cancelled) within 1.5 s, often while it sleeps on
+	// a reservation: WaitN then gives the tokens back.
+	GiveUp float64
 	Events []event
 	// Cluster, if not nil, runs the fleet against a Redis Cluster, with
 	// the Cluster's faults instead of Events (sim_cluster_test.go).
@@ -153,6 +157,9 @@ func (s schedule) String() string {
 	if s.Shift != 0 {
 		fmt.Fprintf(&b, "  traffic shifts at %v\n", s.Shift)
 	}
+	if s.GiveUp > 0 && s.Waiters > 0 {
+		fmt.Fprintf(&b, "  %.0f%% of the WaitN calls' callers hang up\n", s.GiveUp*100)
+	}
 	for _, e := range s.Events {
 		fmt.Fprintf(&b, "  %v\n", e)
 	}
@@ -163,9 +170,11 @@ func (s schedule) String() string {
 }
 
 // healthy reports whether s has no faults, no limit changes, no fleet
-// changes and no refunds: the exact-count check applies.
+// changes and no refunds (a WaitN caller's hang-up gives its tokens back,
+// or loses them where a give-back cannot be exact): the exact-count check
+// applies.
 func (s schedule) healthy() bool {
-	return len(s.Events) == 0 && s.Cluster == nil && s.Refunds == 0 && s.MaxN == 1
+	return len(s.Events) == 0 && s.Cluster == nil && s.Refunds == 0 && s.MaxN == 1 && (s.GiveUp == 0 || s.Waiters == 0)
 }
 
 // features names what s has that a defect may need, for the summary's
@@ -180,6 +189,9 @@ func (s schedule) features() []string {
 	}
 	if s.Waiters > 0 {
 		f = append(f, "waitn")
+		if s.GiveUp > 0 {
+			f = append(f, "waitn-giveup")
+		}
 	}
 	if s.Limit.Burst < int64(s.Slots) || s.CfgInst < s.Slots {
 		f = append(f, "burst<fleet-or-Instances<fleet")
@@ -256,6 +268,9 @@ func genSchedule(seed uint64) schedule {
 		s.LeaseFor = []time.Duration{DefaultLeaseFor, 500 * time.Millisecond, 2 * time.Second}[l.IntN(3)]
 	}
 	s.AtMost = rand.New(rand.NewPCG(seed, 0xa7a7)).IntN(3) == 0
+	if g := rand.New(rand.NewPCG(seed, 0x61e5)); g.IntN(2) == 0 {
+		s.GiveUp = []float64{0.2, 0.5}[g.IntN(2)]
+	}
 	if h := rand.New(rand.NewPCG(seed, 0x4ea7)); h.IntN(3) == 0 {
 		// Heartbeats short enough for a run to read tens of windows:
 		// the fleet's weights and key shares move within it.
@@ -308,6 +323,11 @@ func genSchedule(seed uint64) schedule {
 	}
 	if r.IntN(4) == 0 {
 		s.Waiters = 1 + r.IntN(3)
+	}
+	if s.Waiters > 0 && s.GiveUp > 0 {
+		// A queue deep enough for a waiter that hangs up to have others
+		// behind it, whose times its give-back must not shorten.
+		s.Waiters += rand.New(rand.NewPCG(seed, 0x61e6)).IntN(6)
 	}
 	if r.IntN(5) == 0 {
 		s.Refunds = 0.1
@@ -1232,12 +1252,19 @@ func (r *simRun) changes() bool {
 // waiter calls WaitN on k0 until ctx ends.
 func (r *simRun) waiter(ctx context.Context, i, w int, in *instance) {
 	rng := rand.New(rand.NewPCG(r.s.Seed, 1000+uint64(w)))
+	// The hang-ups from a stream of their own: adding them left the
+	// other draws as they were.
+	hang := rand.New(rand.NewPCG(r.s.Seed, 3000+uint64(w)))
 	for ctx.Err() == nil {
 		n := int64(1)
 		if r.s.MaxN > 1 && rng.IntN(2) == 0 {
 			n = r.s.MaxN
 		}
 		wctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		if r.s.GiveUp > 0 && hang.Float64() < r.s.GiveUp {
+			stop := time.AfterFunc(time.Duration(hang.Int64N(int64(1500*time.Millisecond))), cancel)
+			defer stop.Stop()
+		}
 		rec := record{inst: i, key: "k0", n: n, start: r.since(), wait: true}
 		err := in.lim.WaitN(wctx, "k0", n)
 		cancel()
