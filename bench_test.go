@@ -99,16 +99,44 @@ func BenchmarkLocalSerial(b *testing.B) {
 
 // TestLocalPathAllocs: a local decision allocates nothing.
 func TestLocalPathAllocs(t *testing.T) {
+	for _, hb := range []time.Duration{-1, 0} { // without the fleet heartbeat, and with it (the default)
+		c := refused(t)
+		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Heartbeat: hb, Instances: 1,
+			Breaker: BreakerConfig{OpenFor: time.Hour}})
+		ctx := context.Background()
+		for lim.single.cb.State().String() != "open" {
+			lim.Allow(ctx, "warm")
+		}
+		lim.Allow(ctx, "k")
+		if n := testing.AllocsPerRun(1000, func() { lim.Allow(ctx, "k") }); n != 0 {
+			t.Errorf("Heartbeat %v: a local decision allocates %v times; want 0", hb, n)
+		}
+	}
+}
+
+// TestLocalDecisionsCountForTheWeights: what an instance decides locally
+// counts for the fleet's weights, as Redis's decisions do: admitted tokens
+// count once demand's bounded entries (64 × 1024 keys near their limit in
+// a window) are taken, so that an instance deciding locally on many keys
+// (one per user or per address) is not counted for fewer than one
+// deciding on Redis. Counted as offered and denied, 70,000 keys counted
+// about 65,500.
+func TestLocalDecisionsCountForTheWeights(t *testing.T) {
 	c := refused(t)
-	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Heartbeat: -1, Instances: 1,
-		Breaker: BreakerConfig{OpenFor: time.Hour}})
+	lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Instances: 1, Breaker: BreakerConfig{OpenFor: time.Hour}})
 	ctx := context.Background()
 	for lim.single.cb.State().String() != "open" {
 		lim.Allow(ctx, "warm")
 	}
-	lim.Allow(ctx, "k")
-	if n := testing.AllocsPerRun(1000, func() { lim.Allow(ctx, "k") }); n != 0 {
-		t.Errorf("a local decision allocates %v times; want 0", n)
+	before := lim.count.Load()
+	const keys = 70_000
+	for i := range keys {
+		if d, err := lim.Allow(ctx, "k"+strconv.Itoa(i)); err != nil || !d.Allowed || d.Mode != ModeLocal {
+			t.Fatalf("key %d: %+v, %v; want allowed locally", i, d, err)
+		}
+	}
+	if got := lim.count.Load() - before; got != keys {
+		t.Errorf("%d keys decided locally counted %d tokens for the weights; want %d", keys, got, keys)
 	}
 }
 

@@ -218,25 +218,32 @@ func newHeart(lim *Limiter) *heart {
 }
 
 // nextWindow makes the next step the count of the window now is in (a
-// window at a time, even if the skew moves back); the windows skipped
-// count nothing. With follow (the last report was answered), it is the
-// window after the last one if its report can still be taken: a report
-// answered after that window ended (Redis slower than what was left of
-// it) is followed at once by that window's count and report, which Redis
-// takes up to two windows late, rather than leaving the instance out of
-// that window's sum. Not after a report that went unanswered: its node
-// may have hung and been replaced by a replica that lacked the last
-// reports, and a read sent at once, before the Cluster client has loaded
-// the new layout, would count reports the replica does not hold (heart.
-// master).
+// window at a time, even if the skew moves back). With follow (the last
+// report was answered), it is the window after the last one if its report
+// can still be taken: a report answered after that window ended (Redis
+// slower than what was left of it) is followed at once by that window's
+// count, and its report goes at its offset, about a window late, which
+// Redis takes, rather than leaving the instance out of that window's sum.
+// Not after a report that went unanswered: its node may have hung and been
+// replaced by a replica that lacked the last reports, and a read sent at
+// once, before the Cluster client has loaded the new layout, would count
+// reports the replica does not hold (heart.master).
+//
+// What was offered in windows skipped goes into the count of the window
+// now is in, their places in the report's ring emptied; after a stall
+// longer than the report's span it is dropped, so that a report never
+// spans more than reportWindows windows.
 func (h *heart) nextWindow(now time.Time, follow bool) {
 	cur := now.Add(h.skew).UnixNano() / int64(h.every)
 	h.k = h.prev + 1
-	if !follow || h.prev == math.MinInt64 || cur > h.k+1 {
+	if cur > h.k && (!follow || cur > h.k+1) {
 		for w := max(h.k, cur-reportWindows+1); w < cur; w++ {
 			h.counts[w%reportWindows] = 0
 		}
-		h.k = max(cur, h.k)
+		if h.prev == math.MinInt64 || cur-h.k >= reportWindows {
+			h.snap = h.lim.count.Load()
+		}
+		h.k = cur
 	}
 	h.prev = h.k
 	h.end = time.Unix(0, (h.k+1)*int64(h.every)).Add(-h.skew)
@@ -604,7 +611,7 @@ func (q *heartHeap) Pop() any {
 // follows rising traffic a window later than falling traffic. A window
 // that nobody reported for leaves every view as it was, so "the window
 // before" is the last one with reports. An instance that did not read it
-// (its heartbeat failed, or its breaker was open) gets it from Redis with
+// (its heartbeat failed or came late) gets it from Redis with
 // window m (h.Before), with a ticket if it was not counted there, even if
 // window m has no reports. Only if Redis could not give it (the heartbeat
 // was more than a window late, or window m-1 had no reports and the

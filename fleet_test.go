@@ -8,6 +8,7 @@ import (
 	"hash/maphash"
 	"math"
 	"math/rand/v2"
+	"net"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -16,6 +17,8 @@ import (
 
 	"github.com/alicebob/miniredis/v2"
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/internal/simnet"
+	"github.com/hybridlimit/hybridlimit/internal/simredis"
 	"github.com/hybridlimit/hybridlimit/lua"
 	"github.com/hybridlimit/hybridlimit/remote"
 	"github.com/redis/go-redis/v9"
@@ -463,17 +466,84 @@ func TestHeartFollowsALateAnswer(t *testing.T) {
 	if !h.end.Before(at(102, 300)) {
 		t.Errorf("window 101's count is due at %v; want at once (it ended at %v)", h.end, at(102, 0))
 	}
-	h.nextWindow(at(110, 0), true) // a long stall
+	h.lim.count.Add(90) // offered during a stall of eight windows
+	h.nextWindow(at(110, 0), true)
 	if h.k != 110 {
 		t.Errorf("after a stall to window 110, the next window counted is %d; want 110", h.k)
-	}
-	h.nextWindow(at(112, 300), false) // window 110's report went unanswered
-	if h.k != 112 {
-		t.Errorf("after a report of window 110 that went unanswered in window 112, the next window counted is %d; want 112", h.k)
 	}
 	for w := int64(107); w < 110; w++ {
 		if c := h.counts[w%reportWindows]; c != 0 {
 			t.Errorf("after a stall, window %d counts %d; want nothing (the windows skipped)", w, c)
+		}
+	}
+	h.lim.count.Add(10) // offered in window 110
+	h.count()
+	if h.offered != 10 {
+		t.Errorf("the report after a stall of eight windows holds %d tokens; want the 10 of the window counted (a report spans 4 windows at most)", h.offered)
+	}
+	h.lim.count.Add(7)                // offered in window 111, which is skipped
+	h.nextWindow(at(112, 300), false) // window 110's report went unanswered
+	if h.k != 112 {
+		t.Errorf("after a report of window 110 that went unanswered in window 112, the next window counted is %d; want 112", h.k)
+	}
+	h.count()
+	if h.offered != 17 {
+		t.Errorf("the report of window 112 after window 111 was skipped holds %d tokens; want 17 (window 110's 10, and 111's 7 counted in 112)", h.offered)
+	}
+}
+
+// TestHeartbeatsReturnWithinTheirBudget: a heartbeat round trip into a
+// Redis that hangs returns when its context ends, deadline or
+// cancellation, whatever bounds the client's reads: go-redis reads for
+// ReadTimeout (3 s by default) without ContextTimeoutEnabled, and stops no
+// read at a cancellation. The pacer that sends it counts the windows of
+// every Limiter of the client, and Close cancels it: with the heartbeats
+// sent while the breakers are open, a pacer held for ReadTimeout waited 5 s
+// a heartbeat through a hang, and Close waited for the heartbeat in flight.
+func TestHeartbeatsReturnWithinTheirBudget(t *testing.T) {
+	for _, ctxTimeout := range []bool{false, true} {
+		for _, cancelled := range []bool{false, true} {
+			name := fmt.Sprintf("ContextTimeoutEnabled=%v/cancelled=%v", ctxTimeout, cancelled)
+			t.Run(name, func(t *testing.T) {
+				bubble(t, func(t *testing.T) {
+					sim, link := simredis.New(), simnet.NewLink()
+					t.Cleanup(sim.Close)
+					c := redis.NewClient(&redis.Options{Addr: "10.0.0.1:6379", ContextTimeoutEnabled: ctxTimeout,
+						Dialer: link.Dialer(func(c net.Conn) { sim.Serve(c, 0) })})
+					t.Cleanup(func() { c.Close() })
+					beat := func() remote.Beat {
+						return remote.Beat{Base: "hl:{fleet:t}", Window: time.Now().Unix(), Every: time.Second}
+					}
+					ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+					first := []remote.Beat{beat()}
+					remote.Beats(ctx, c, nil, first)
+					cancel()
+					if first[0].Err != nil {
+						t.Fatalf("a heartbeat to a healthy Redis: %v", first[0].Err)
+					}
+					link.Hang()
+					const budget = 200 * time.Millisecond
+					if cancelled {
+						ctx, cancel = context.WithCancel(context.Background())
+						time.AfterFunc(budget, cancel)
+					} else {
+						ctx, cancel = context.WithTimeout(context.Background(), budget)
+					}
+					start := time.Now()
+					hung := []remote.Beat{beat()}
+					remote.Beats(ctx, c, nil, hung)
+					took := time.Since(start)
+					cancel()
+					if took > budget {
+						t.Errorf("a heartbeat into a hung Redis returned after %v; want its budget, %v", took, budget)
+					}
+					if !errors.Is(hung[0].Err, remote.ErrUnanswered) {
+						t.Errorf("a heartbeat into a hung Redis: error %v; want ErrUnanswered", hung[0].Err)
+					}
+					link.Resume() // the round trip left inside the client ends
+					time.Sleep(10 * time.Second)
+				})
+			})
 		}
 	}
 }

@@ -919,19 +919,15 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, atMost b
 		*d = Decision{Mode: ModeFailClosed, RetryAfter: lim.untilProbe(nd)}
 		return
 	}
-	// What is offered while Redis is away counts for the fleet's weights
-	// as it does while Redis decides: the heartbeats go on reaching a
-	// Redis too slow for decisions but not for them, and weights that
-	// counted only Redis's decisions would fall to an even split after a
-	// few windows of it.
-	lim.tally(key, n, ls, false, 0)
 	r, burst, capacity := lim.share(key, ls.Limit, nd)
+	asked := n
 	if atMost {
 		n = min(n, int64(burst))
 	}
 	if capacity <= 0 || n > int64(burst) {
 		// The share can never hold n (or this instance holds none: it has
 		// not heard of the fleet yet): denied until Redis may be back.
+		lim.tally(key, asked, ls, false, 0)
 		*d = Decision{Mode: ModeLocal, RetryAfter: lim.untilProbe(nd)}
 		return
 	}
@@ -948,6 +944,18 @@ func (lim *Limiter) fallback(key string, n int64, ls *limits, nd *node, atMost b
 	if res.Allowed && !lim.spentLocally.Load() {
 		lim.spentLocally.Store(true)
 	}
+	// What is offered while Redis is away counts for the fleet's weights
+	// as it does while Redis decides: the heartbeats go on reaching a
+	// Redis too slow for decisions but not for them, and weights that
+	// counted only Redis's decisions would fall to an even split after a
+	// few windows of it. As for Redis's answers, a key is near its limit
+	// (and takes one of demand's bounded entries) if it was denied or the
+	// share was left with less than a window's refill.
+	left := int64(0)
+	if float64(res.Remaining) >= float64(r)*lim.cfg.Heartbeat.Seconds() {
+		left = math.MaxInt64
+	}
+	lim.tally(key, asked, ls, res.Allowed, left)
 	*d = Decision{
 		Allowed:    res.Allowed,
 		Remaining:  res.Remaining,

@@ -26,8 +26,8 @@
 -- up to at most 1. An instance that was not counted in the window it
 -- reads (it has just started, or its report was lost) takes a ticket '#c'
 -- instead, which gives it a part of a reserve (see fleet.go). An instance
--- that did not read window i-1 (its heartbeat failed, or its breaker was
--- open) asks for that window too: each instance holds the lesser of its
+-- that did not read window i-1 (its heartbeat failed, or came late) asks
+-- for that window too: each instance holds the lesser of its
 -- parts in two windows read in a row, so that the parts held while some
 -- have read window i and others only i-1 add up to at most 1 (see weigh
 -- in fleet.go).

@@ -103,10 +103,14 @@ type Beat struct {
 // key (nil: nothing), which Beats, called off the decisions' path, checks
 // and keeps up to date itself.
 //
-// Beats returns when ctx ends even if the client bounds its reads by
-// nothing (ReadTimeout -1 or -2): the beats it did not get answers for
-// then fail with ErrUnanswered, and the round trip goes on, inside the
-// client, until Redis answers or the client is closed.
+// Beats returns when ctx ends, whatever bounds the client's reads (a
+// client without ContextTimeoutEnabled reads for its ReadTimeout, 3 s by
+// default, or without end at -1 or -2, and none stops at a cancellation):
+// the beats it did not get answers for then fail with ErrUnanswered, and
+// the round trip goes on, inside the client, until Redis answers or the
+// client gives up; no other round trip of n starts meanwhile. The caller,
+// a pacer that counts the windows of many Limiters, is held for ctx at
+// most.
 func Beats(ctx context.Context, c redis.UniversalClient, n *Node, beats []Beat) {
 	if len(beats) == 0 {
 		return
@@ -126,7 +130,7 @@ func Beats(ctx context.Context, c redis.UniversalClient, n *Node, beats []Beat) 
 	// still fill after Beats has returned.
 	own := slices.Clone(beats)
 	ran := false
-	if Detach(ctx, c, func() {
+	if detach(ctx, func() {
 		defer n.detached.Store(false)
 		beatsNow(ctx, c, n, own)
 		ran = true

@@ -257,6 +257,16 @@ func Detach(ctx context.Context, c redis.UniversalClient, f func()) <-chan struc
 		f()
 		return nil
 	}
+	return detach(ctx, f)
+}
+
+// detach is Detach for any client: f runs on a goroutine of its own, and
+// detach returns when f has returned or ctx ends. For a call whose budget
+// is longer than a client's reads are bounded by go-redis (a client
+// without ContextTimeoutEnabled reads for ReadTimeout, 3 s by default,
+// whatever ctx says), or whose caller must leave when ctx is cancelled
+// (go-redis stops no read at a cancellation).
+func detach(ctx context.Context, f func()) <-chan struct{} {
 	if ctx.Err() != nil {
 		return nil
 	}
