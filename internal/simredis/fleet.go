@@ -12,6 +12,15 @@ import (
 // arguments and the reply. Numbers are float64, as Lua's are. fleet
 // requires that s.mu is held.
 func (s *Server) fleet(at time.Time, report, read, before string, argv []string) any {
+	return s.fleetAt(at, at, report, read, before, argv)
+}
+
+// fleetAt is fleet with the script's reading of TIME, clock, apart from
+// the time keys are expired by, at: Redis expires keys by the time its
+// script started, and TIME inside it reads the clock when it runs, later
+// by as long as the server was held between the two (a few milliseconds on
+// a loaded machine).
+func (s *Server) fleetAt(clock, at time.Time, report, read, before string, argv []string) any {
 	if len(argv) < 7 {
 		return rerror("ERR Error running script: ARGV missing")
 	}
@@ -33,7 +42,7 @@ func (s *Server) fleet(at time.Time, report, read, before string, argv []string)
 		}
 		now = math.Floor(us / 1000)
 	} else {
-		us := at.UnixMicro()
+		us := clock.UnixMicro()
 		now = float64(us/1e6)*1000 + math.Floor(float64(us%1e6)/1000)
 	}
 	r := math.Floor(now / w)
