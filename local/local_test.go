@@ -192,8 +192,12 @@ func TestSeed(t *testing.T) {
 		{"above burst is full", 0, 10, 10, 1000, []allow{
 			{0, "k", 10, 10, 0, ok(10, 0)},
 		}},
-		{"below zero is empty", 0, 10, 10, -1, []allow{
-			{0, "k", 10, 10, 1, denied(0, 100*ms, time.Second)},
+		{"below zero is a debt", 0, 10, 10, -1, []allow{
+			{0, "k", 10, 10, 1, denied(0, 200*ms, 1100*ms)},
+		}},
+		{"a debt beyond the burst", 0, 10, 10, -25, []allow{ // WaitN's reservations, 2.5 bursts deep
+			{0, "k", 10, 10, 1, denied(0, 2600*ms, 3500*ms)},
+			{2600 * ms, "k", 10, 10, 1, ok(0, time.Second)},
 		}},
 		{"NaN is empty", 0, 10, 10, math.NaN(), []allow{
 			{0, "k", 10, 10, 1, denied(0, 100*ms, time.Second)},
