@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/remote"
 	"github.com/redis/go-redis/v9"
 )
@@ -309,6 +310,17 @@ func (h *heart) master() string {
 // and, if this instance did not read the one before, that one too (see
 // weigh), with a ticket in each where it was not counted.
 func (h *heart) beat() remote.Beat {
+	if nd := h.lim.single; nd != nil && nd.cb.State() != breaker.StateClosed {
+		// Redis is away for decisions: the report goes, so that the
+		// instance stays counted if Redis takes it (a Redis too slow for
+		// decisions may answer a heartbeat), but nothing is read, and the
+		// view Redis gave before holds. A read now, of a window whose
+		// report of this instance's went unanswered, would leave it a
+		// ticket's part for the outage that may be starting (simulator
+		// seed 1173). The windows not read are read with the first
+		// heartbeat after the breaker closes, as the window before.
+		return remote.Beat{Base: h.lim.fleetKey(), Window: h.k, Offered: h.offered, Every: h.every, ReportOnly: true}
+	}
 	before := h.lim.view.Load().known < h.k-3
 	h.sending = h.master()
 	in, mark := h.taken(h.k-2, h.sending)

@@ -81,6 +81,8 @@ type Beat struct {
 	// Before asks for window Window-3 too (Heartbeat.Before), and
 	// BeforeTicket for a ticket in it.
 	Before, BeforeTicket bool
+	// ReportOnly sends the report and reads nothing.
+	ReportOnly bool
 	// Mark and BeforeMark are the marks (Heartbeat.Mark) this instance's
 	// reports in the windows read were taken under, where they were. The
 	// first report of a window's hash draws its mark (1 to 1023), which
@@ -176,6 +178,9 @@ func beatsNow(ctx context.Context, c redis.UniversalClient, n *Node, beats []Bea
 		}
 		b.Heartbeat, b.Err = parseHeartbeat(cmd.Val())
 		b.Heartbeat.Window = b.Window - 2
+		if b.ReportOnly {
+			b.Heartbeat.Window = b.Window + 1 // not read
+		}
 	}
 }
 
@@ -183,6 +188,11 @@ func beatsNow(ctx context.Context, c redis.UniversalClient, n *Node, beats []Bea
 // (Redis's clock, in microseconds) as ARGV[8].
 func beatCmd(ctx context.Context, b *Beat, v verb, now int64) noRetryCmd {
 	read := b.Window - 2
+	if b.ReportOnly {
+		// A window the script reads only once Redis is three windows
+		// past it, while it takes the report no more than two late.
+		read = b.Window + 1
+	}
 	report := min(max(b.Offered, 0), MaxReport)<<reporterBits | 1
 	want := 0
 	if b.Ticket {
