@@ -310,23 +310,34 @@ func (h *heart) master() string {
 // and, if this instance did not read the one before, that one too (see
 // weigh), with a ticket in each where it was not counted.
 func (h *heart) beat() remote.Beat {
-	if nd := h.lim.single; nd != nil && nd.cb.State() != breaker.StateClosed {
-		// Redis is away for decisions: the report goes, so that the
-		// instance stays counted if Redis takes it (a Redis too slow for
-		// decisions may answer a heartbeat), but nothing is read, and the
-		// view Redis gave before holds. A read now, of a window whose
-		// report of this instance's went unanswered, would leave it a
-		// ticket's part for the outage that may be starting (simulator
-		// seed 1173). The windows not read are read with the first
-		// heartbeat after the breaker closes, as the window before.
+	h.sending = h.master()
+	if nd := h.lim.single; nd != nil && nd.cb.State() != breaker.StateClosed || h.unsure(h.k-2) {
+		// The report goes, so that the instance stays counted where Redis
+		// takes it, but nothing is read, and the view Redis gave before
+		// holds: while Redis is away for decisions (a Redis too slow for
+		// them may answer a heartbeat), and while the window to read is
+		// one whose report went unanswered. Redis may have counted that
+		// report (a Redis slower than the heartbeat's budget runs it, and
+		// the answer comes too late), and the instance, not knowing, would
+		// take a ticket, a few thousandths of the limit, and hold it
+		// through an outage starting then (simulator seed 1173: one
+		// instance held 0.005 of its limit after Redis was 300 ms slow on
+		// a Heartbeat of 100 ms). The windows not read are read later, as
+		// the window before, if the instance's part in them is known.
 		return remote.Beat{Base: h.lim.fleetKey(), Window: h.k, Offered: h.offered, Every: h.every, ReportOnly: true}
 	}
-	before := h.lim.view.Load().known < h.k-3
-	h.sending = h.master()
+	before := h.lim.view.Load().known < h.k-3 && !h.unsure(h.k-3)
 	in, mark := h.taken(h.k-2, h.sending)
 	bin, bmark := h.taken(h.k-3, h.sending)
 	return remote.Beat{Base: h.lim.fleetKey(), Window: h.k, Offered: h.offered, Every: h.every,
 		Ticket: !in, Mark: mark, Before: before, BeforeTicket: before && !bin, BeforeMark: bmark}
+}
+
+// unsure says whether this instance's report in window w was sent and
+// went unanswered: Redis may or may not have counted it.
+func (h *heart) unsure(w int64) bool {
+	r := h.sent[w%4]
+	return r.window == w && r.unsure
 }
 
 // skip says whether the report of window k is not to be sent: the
@@ -384,7 +395,8 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 		h.skew = time.UnixMilli(b.Heartbeat.Now).Sub(sent.Add(rtt / 2))
 		taken, mark = b.Heartbeat.Taken, b.Heartbeat.Mark
 	}
-	h.sent[h.k%4] = report{window: h.k, tokens: min(h.offered, remote.MaxReport), taken: taken, mark: mark, master: h.sending}
+	h.sent[h.k%4] = report{window: h.k, tokens: min(h.offered, remote.MaxReport), taken: taken, mark: mark, master: h.sending,
+		unsure: b != nil && remote.MayHaveRun(b.Err)}
 	h.nextWindow(got, b != nil && b.Err == nil)
 }
 
@@ -392,6 +404,7 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 type report struct {
 	window, tokens int64
 	taken          bool   // Redis said it counted it
+	unsure         bool   // sent, and unanswered: Redis may have counted it
 	mark           int64  // if taken, the mark of the sum it went into
 	master         string // on a Cluster, the heartbeats' master when it was sent
 }

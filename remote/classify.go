@@ -155,3 +155,20 @@ func IsUnsent(err error) bool {
 	var op *net.OpError
 	return errors.As(err, &op) && op.Op == "write"
 }
+
+// MayHaveRun reports whether a call that failed with err may have run in
+// Redis although no answer said so: it was sent and its answer did not
+// come (a time-out, a connection lost after the write). An error reply is
+// an answer; a call that never left (IsUnsent, a dial that failed, a
+// heartbeat held back behind an unanswered one) did not run.
+func MayHaveRun(err error) bool {
+	if err == nil || errors.Is(err, errStuck) || IsUnsent(err) {
+		return false
+	}
+	var rerr redis.Error
+	if errors.As(err, &rerr) {
+		return false
+	}
+	var op *net.OpError
+	return !errors.As(err, &op) || op.Op != "dial"
+}
