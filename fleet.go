@@ -10,7 +10,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/remote"
 	"github.com/redis/go-redis/v9"
 )
@@ -311,19 +310,21 @@ func (h *heart) master() string {
 // weigh), with a ticket in each where it was not counted.
 func (h *heart) beat() remote.Beat {
 	h.sending = h.master()
-	if nd := h.lim.single; nd != nil && nd.cb.State() != breaker.StateClosed || h.unsure(h.k-2) {
-		// The report goes, so that the instance stays counted where Redis
-		// takes it, but nothing is read, and the view Redis gave before
-		// holds: while Redis is away for decisions (a Redis too slow for
-		// them may answer a heartbeat), and while the window to read is
-		// one whose report went unanswered. Redis may have counted that
-		// report (a Redis slower than the heartbeat's budget runs it, and
-		// the answer comes too late), and the instance, not knowing, would
-		// take a ticket, a few thousandths of the limit, and hold it
-		// through an outage starting then (simulator seed 1173: one
-		// instance held 0.005 of its limit after Redis was 300 ms slow on
-		// a Heartbeat of 100 ms). The windows not read are read later, as
-		// the window before, if the instance's part in them is known.
+	if h.unsure(h.k - 2) {
+		// The window to read is one whose report of this instance's was
+		// sent and went unanswered: Redis may have counted it (a Redis
+		// slower than the heartbeat's budget runs it, and the answer comes
+		// too late), and the instance, not knowing, would take a ticket, a
+		// few thousandths of the limit, and hold it through an outage
+		// starting then (simulator seed 1173: one instance held 0.005 of
+		// its limit after Redis was 300 ms slow on a Heartbeat of 100 ms).
+		// The report goes alone, and the view Redis gave before holds;
+		// the next heartbeat reads the window after it, and not this one
+		// as the window before. If the report in fact never reached
+		// Redis, the others split this instance's part of that window
+		// among them while it holds its older part: the weights add up to
+		// more than 1 by that part, as they do while an instance is cut
+		// off from Redis (docs/design.md, partial partitions).
 		return remote.Beat{Base: h.lim.fleetKey(), Window: h.k, Offered: h.offered, Every: h.every, ReportOnly: true}
 	}
 	before := h.lim.view.Load().known < h.k-3 && !h.unsure(h.k-3)
@@ -374,7 +375,7 @@ func (h *heart) answer(b *remote.Beat, sent, got time.Time) {
 		// failover to a host whose clock is behind) read nothing: weigh
 		// must not mark the window known, or the next heartbeat would not
 		// ask for it as the window before (see weigh).
-		if r := b.Heartbeat.Now / h.every.Milliseconds(); b.Heartbeat.Window <= r-3 && b.Heartbeat.Window >= r-5 {
+		if r := b.Heartbeat.Now / h.every.Milliseconds(); !b.ReportOnly && b.Heartbeat.Window <= r-3 && b.Heartbeat.Window >= r-5 {
 			// A ticket it did not ask for says that its report went
 			// into a hash Redis lost since (remote.Beat.Mark): the sum
 			// read does not hold it.

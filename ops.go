@@ -98,7 +98,7 @@ func (lim *Limiter) Peek(ctx context.Context, key string) (Status, error) {
 		r, burst, capacity := lim.share(key, ls.Limit, lim.route(lim.cfg.Prefix+key))
 		if capacity > 0 {
 			st.Tokens, st.ResetAfter = lim.shares.Peek(lim.cfg.now(), key, r, burst, capacity)
-			st.Remaining = int64(st.Tokens)
+			st.Remaining = int64(max(st.Tokens, 0))
 		}
 	}
 	return st, nil

@@ -365,3 +365,33 @@ func TestWaitQueueThroughAnOutage(t *testing.T) {
 		}
 	})
 }
+
+// TestPeekInDebt: while Redis is away and the local share starts from
+// its part of WaitN's reservations, Peek reports the debt in Tokens,
+// whether the local bucket was made yet or not, and Remaining at 0.
+func TestPeekInDebt(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		r, lim := waitLimiter(t, Config{Limit: Limit{Rate: 10, Burst: 10}, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
+		var wg sync.WaitGroup
+		for range 40 {
+			wg.Go(func() { _ = lim.Wait(ctx, "k") })
+			time.Sleep(time.Millisecond)
+		}
+		time.Sleep(100 * time.Millisecond)
+		r.link.Hang()
+		st, err := lim.Peek(ctx, "k")
+		t.Logf("Peek during the hang: %+v err %v", st, err)
+		if st.Remaining < 0 {
+			t.Errorf("Status.Remaining = %d, documented as at least 0", st.Remaining)
+		}
+		d, _ := lim.Allow(ctx, "k")
+		st2, _ := lim.Peek(ctx, "k")
+		t.Logf("Allow: %+v; Peek after the local bucket exists: Tokens %v Remaining %d ResetAfter %v", d, st2.Tokens, st2.Remaining, st2.ResetAfter)
+		if st2.Tokens >= 0 && st.Tokens < 0 {
+			t.Errorf("Peek's Tokens: %v before the local bucket, %v once it exists (same debt)", st.Tokens, st2.Tokens)
+		}
+		r.link.Resume()
+		wg.Wait()
+	})
+}

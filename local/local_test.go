@@ -934,3 +934,65 @@ func TestSettleOfAnEvictedEntry(t *testing.T) {
 		t.Errorf("after the old entry's charge settled, %s owes %v; want the new entry's 3", k[0], owed)
 	}
 }
+
+// TestDebtOfAFractionalShare: a share whose capacity is not whole (its
+// burst is the whole tokens of it, as hybridlimit's share makes it) starts
+// from its capacity's part of Redis's level, debt or not, capped at its
+// burst: capped first, a third of a 50-token debt was taken as 10.
+func TestDebtOfAFractionalShare(t *testing.T) {
+	t0 := time.Now()
+	s := New(0)
+	// Redis: burst 5, rate 5/s, 50 tokens of WaitN reservations queued.
+	s.Observe(t0, 1, "k", -50, 5, 5)
+	capacity := 5.0 / 3 // a third of the limit
+	r := rate.Limit(5.0 / 3)
+	res := s.AllowN(t0, "k", r, 1, capacity, 1)
+	want := time.Duration((50.0/3 + 1) / (5.0 / 3) * float64(time.Second))
+	t.Logf("denied=%v RetryAfter=%v; the share's part of the debt (50/3) wants %v", !res.Allowed, res.RetryAfter, want)
+	if res.RetryAfter < want-time.Millisecond {
+		t.Errorf("RetryAfter %v, want %v", res.RetryAfter, want)
+	}
+	// And a positive level: Redis at 4 of 5, capacity 5/3 (burst 1):
+	// "the same part of capacity", 1.33, capped at burst 1.
+	s.Observe(t0, 2, "p", 4, 5, 5)
+	if res := s.AllowN(t0, "p", r, 1, capacity, 1); !res.Allowed {
+		t.Errorf("Redis at 4/5 of its burst, capacity 1.67, burst 1: denied (RetryAfter %v); want 1 token", res.RetryAfter)
+	}
+}
+
+// TestPeekInDebt: Peek reports a bucket in debt below zero, before the
+// local bucket is made and after.
+func TestPeekInDebt(t *testing.T) {
+	t0 := time.Now()
+	s := New(0)
+	s.Observe(t0, 1, "k", -5, 10, 10)
+	before, _ := s.Peek(t0, "k", 10, 10, 10)
+	s.AllowN(t0, "k", 10, 10, 10, 0)
+	after, ra := s.Peek(t0, "k", 10, 10, 10)
+	t.Logf("Peek before the bucket: %v; after: %v (resetAfter %v)", before, after, ra)
+	if before != after {
+		t.Errorf("Peek differs: %v before the bucket, %v after", before, after)
+	}
+}
+
+// TestInfiniteRateAfterDebt: a bucket started in debt, used at an
+// infinite rate and then at a finite one, admits no more than its burst.
+func TestInfiniteRateAfterDebt(t *testing.T) {
+	t0 := time.Now()
+	s := New(0)
+	s.Observe(t0, 1, "k", -15, 10, 10)
+	s.AllowN(t0, "k", rate.Inf, 10, 10, 1)
+	n := 0
+	for i := range 1000 {
+		if s.AllowN(t0.Add(time.Duration(i+1)*time.Microsecond), "k", 10, 10, 10, 1).Allowed {
+			n++
+		}
+	}
+	sh := s.shard("k")
+	tok := sh.m["k"].lim.TokensAt(t0.Add(time.Second))
+	t.Logf("admitted %d of 1000 in 1ms at 10/s burst 10; tokens %v", n, tok)
+	if n > 11 || math.IsNaN(tok) {
+		t.Errorf("admitted %d, tokens %v", n, tok)
+	}
+}
+

@@ -21,9 +21,14 @@ import (
 // charge for it stops at a burst of debt.
 // start requires that the shard's mu is held.
 func (s *Shares) start(b *bucket, now time.Time, burst int, capacity, owed float64) (float64, mono) {
-	capacity = clamp(capacity, burst)
+	if !(capacity > 0) {
+		capacity = 0 // NaN too
+	}
 	if b.seen != 0 {
-		base := level(b.tokens/b.size*capacity, burst)
+		base := 0.0
+		if b.size > 0 {
+			base = level(b.tokens/b.size*capacity, burst)
+		}
 		return math.Max(base-owed, math.Min(base, 0)), b.seen
 	}
 	return clamp(capacity-owed, burst), s.mono(now)
@@ -54,7 +59,7 @@ func (s *Shares) peek(now time.Time, key string, r rate.Limit, burst int, capaci
 	}
 	if lim := b.lim; lim != nil && !(b.seen != 0 && b.seen > b.seedAt) {
 		sh.mu.Unlock()
-		return clamp(lim.TokensAt(now), burst)
+		return level(lim.TokensAt(now), burst) // below zero in debt, as before the bucket was made
 	}
 	seed, at := s.start(b, now, burst, capacity, b.owed+s.spent(b, now))
 	sh.mu.Unlock()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"sync"
@@ -179,7 +180,7 @@ func beatsNow(ctx context.Context, c redis.UniversalClient, n *Node, beats []Bea
 		b.Heartbeat, b.Err = parseHeartbeat(cmd.Val())
 		b.Heartbeat.Window = b.Window - 2
 		if b.ReportOnly {
-			b.Heartbeat.Window = b.Window + 1 // not read
+			b.Heartbeat.Window = 0 // not read
 		}
 	}
 }
@@ -189,9 +190,10 @@ func beatsNow(ctx context.Context, c redis.UniversalClient, n *Node, beats []Bea
 func beatCmd(ctx context.Context, b *Beat, v verb, now int64) noRetryCmd {
 	read := b.Window - 2
 	if b.ReportOnly {
-		// A window the script reads only once Redis is three windows
-		// past it, while it takes the report no more than two late.
-		read = b.Window + 1
+		// A window no Redis clock reaches: the script reads a window only
+		// once Redis is three past it, and the report of a heart behind
+		// Redis's clock by four would make Window+1 one.
+		read = math.MaxInt64 / 2
 	}
 	report := min(max(b.Offered, 0), MaxReport)<<reporterBits | 1
 	want := 0
