@@ -995,4 +995,3 @@ func TestInfiniteRateAfterDebt(t *testing.T) {
 		t.Errorf("admitted %d, tokens %v", n, tok)
 	}
 }
-
