@@ -286,9 +286,9 @@ func newLimiter(at time.Time, r rate.Limit, burst int, tokens float64) *rate.Lim
 	return lim
 }
 
-// maxDebt bounds how far below zero a local bucket starts, in tokens:
-// far beyond any debt Redis's bucket holds (WaitN's reservations), and
-// within what the arithmetic of x/time/rate holds exactly.
+// maxDebt bounds how far below zero a local bucket starts, in tokens: far
+// beyond any debt Redis's bucket holds (WaitN's reservations), and where a
+// float64 still holds a level to a few ten-thousandths of a token.
 const maxDebt = 1 << 40
 
 // level returns tokens as a bucket of burst starts from: at most burst, at
