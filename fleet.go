@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/hybridlimit/hybridlimit/breaker"
 	"github.com/hybridlimit/hybridlimit/remote"
 	"github.com/redis/go-redis/v9"
 )
@@ -310,21 +311,27 @@ func (h *heart) master() string {
 // weigh), with a ticket in each where it was not counted.
 func (h *heart) beat() remote.Beat {
 	h.sending = h.master()
-	if h.unsure(h.k - 2) {
-		// The window to read is one whose report of this instance's was
-		// sent and went unanswered: Redis may have counted it (a Redis
-		// slower than the heartbeat's budget runs it, and the answer comes
-		// too late), and the instance, not knowing, would take a ticket, a
-		// few thousandths of the limit, and hold it through an outage
-		// starting then (simulator seed 1173: one instance held 0.005 of
-		// its limit after Redis was 300 ms slow on a Heartbeat of 100 ms).
-		// The report goes alone, and the view Redis gave before holds;
-		// the next heartbeat reads the window after it, and not this one
-		// as the window before. If the report in fact never reached
-		// Redis, the others split this instance's part of that window
-		// among them while it holds its older part: the weights add up to
-		// more than 1 by that part, as they do while an instance is cut
-		// off from Redis (docs/design.md, partial partitions).
+	if nd := h.lim.single; nd != nil && nd.cb.State() != breaker.StateClosed || h.unsure(h.k-2) {
+		// The report goes, so that the instance stays counted where Redis
+		// takes it (a Redis too slow for decisions may answer a
+		// heartbeat), but nothing is read, and the view Redis gave before
+		// holds: while Redis is away for decisions, and while the window
+		// to read is one whose report went unanswered. Redis may have
+		// counted that report (a Redis slower than the heartbeat's budget
+		// runs it, and the answer comes too late), and the instance, not
+		// knowing, would take a ticket, a few thousandths of the limit,
+		// and hold it through an outage starting then (simulator seed
+		// 1173: one instance held 0.005 of its limit after Redis was 300
+		// ms slow on a Heartbeat of 100 ms). Reads made while the breaker
+		// is open failed the outage floor in seed 8808 (a flapping
+		// Redis, then a kill), and left the view of a pod whose link is
+		// slower than Timeout for good at what it was when the breaker
+		// opened (docs/design.md says what that costs). The windows not
+		// read are read later, as the window before, if the instance's
+		// part in them is known. If a report in fact never reached Redis,
+		// or traffic moved while this instance held its older part, the
+		// weights add up to more than 1 by the difference, as they do
+		// while an instance is cut off from Redis (partial partitions).
 		return remote.Beat{Base: h.lim.fleetKey(), Window: h.k, Offered: h.offered, Every: h.every, ReportOnly: true}
 	}
 	before := h.lim.view.Load().known < h.k-3 && !h.unsure(h.k-3)

@@ -192,12 +192,8 @@ func TestSeed(t *testing.T) {
 		{"above burst is full", 0, 10, 10, 1000, []allow{
 			{0, "k", 10, 10, 0, ok(10, 0)},
 		}},
-		{"below zero is a debt", 0, 10, 10, -1, []allow{
-			{0, "k", 10, 10, 1, denied(0, 200*ms, 1100*ms)},
-		}},
-		{"a debt beyond the burst", 0, 10, 10, -25, []allow{ // WaitN's reservations, 2.5 bursts deep
-			{0, "k", 10, 10, 1, denied(0, 2600*ms, 3500*ms)},
-			{2600 * ms, "k", 10, 10, 1, ok(0, time.Second)},
+		{"below zero is empty", 0, 10, 10, -1, []allow{
+			{0, "k", 10, 10, 1, denied(0, 100*ms, time.Second)},
 		}},
 		{"NaN is empty", 0, 10, 10, math.NaN(), []allow{
 			{0, "k", 10, 10, 1, denied(0, 100*ms, time.Second)},
@@ -935,63 +931,16 @@ func TestSettleOfAnEvictedEntry(t *testing.T) {
 	}
 }
 
-// TestDebtOfAFractionalShare: a share whose capacity is not whole (its
+// TestPartOfAFractionalShare: a share whose capacity is not whole (its
 // burst is the whole tokens of it, as hybridlimit's share makes it) starts
-// from its capacity's part of Redis's level, debt or not, capped at its
-// burst: capped first, a third of a 50-token debt was taken as 10.
-func TestDebtOfAFractionalShare(t *testing.T) {
+// from its capacity's part of what Redis's bucket held, capped at its
+// burst: Redis at 4 of 5, a share of 5/3 starts at 1 token, not at 4/5 of
+// its burst (0.8, denied).
+func TestPartOfAFractionalShare(t *testing.T) {
 	t0 := time.Now()
 	s := New(0)
-	// Redis: burst 5, rate 5/s, 50 tokens of WaitN reservations queued.
-	s.Observe(t0, 1, "k", -50, 5, 5)
-	capacity := 5.0 / 3 // a third of the limit
-	r := rate.Limit(5.0 / 3)
-	res := s.AllowN(t0, "k", r, 1, capacity, 1)
-	want := time.Duration((50.0/3 + 1) / (5.0 / 3) * float64(time.Second))
-	t.Logf("denied=%v RetryAfter=%v; the share's part of the debt (50/3) wants %v", !res.Allowed, res.RetryAfter, want)
-	if res.RetryAfter < want-time.Millisecond {
-		t.Errorf("RetryAfter %v, want %v", res.RetryAfter, want)
-	}
-	// And a positive level: Redis at 4 of 5, capacity 5/3 (burst 1):
-	// "the same part of capacity", 1.33, capped at burst 1.
-	s.Observe(t0, 2, "p", 4, 5, 5)
-	if res := s.AllowN(t0, "p", r, 1, capacity, 1); !res.Allowed {
+	s.Observe(t0, 1, "p", 4, 5, 5)
+	if res := s.AllowN(t0, "p", rate.Limit(5.0/3), 1, 5.0/3, 1); !res.Allowed {
 		t.Errorf("Redis at 4/5 of its burst, capacity 1.67, burst 1: denied (RetryAfter %v); want 1 token", res.RetryAfter)
-	}
-}
-
-// TestPeekInDebt: Peek reports a bucket in debt below zero, before the
-// local bucket is made and after.
-func TestPeekInDebt(t *testing.T) {
-	t0 := time.Now()
-	s := New(0)
-	s.Observe(t0, 1, "k", -5, 10, 10)
-	before, _ := s.Peek(t0, "k", 10, 10, 10)
-	s.AllowN(t0, "k", 10, 10, 10, 0)
-	after, ra := s.Peek(t0, "k", 10, 10, 10)
-	t.Logf("Peek before the bucket: %v; after: %v (resetAfter %v)", before, after, ra)
-	if before != after {
-		t.Errorf("Peek differs: %v before the bucket, %v after", before, after)
-	}
-}
-
-// TestInfiniteRateAfterDebt: a bucket started in debt, used at an
-// infinite rate and then at a finite one, admits no more than its burst.
-func TestInfiniteRateAfterDebt(t *testing.T) {
-	t0 := time.Now()
-	s := New(0)
-	s.Observe(t0, 1, "k", -15, 10, 10)
-	s.AllowN(t0, "k", rate.Inf, 10, 10, 1)
-	n := 0
-	for i := range 1000 {
-		if s.AllowN(t0.Add(time.Duration(i+1)*time.Microsecond), "k", 10, 10, 10, 1).Allowed {
-			n++
-		}
-	}
-	sh := s.shard("k")
-	tok := sh.m["k"].lim.TokensAt(t0.Add(time.Second))
-	t.Logf("admitted %d of 1000 in 1ms at 10/s burst 10; tokens %v", n, tok)
-	if n > 11 || math.IsNaN(tok) {
-		t.Errorf("admitted %d, tokens %v", n, tok)
 	}
 }
