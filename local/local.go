@@ -261,43 +261,20 @@ func (s *Shares) AllowN(now time.Time, key string, r rate.Limit, burst int, capa
 }
 
 // newLimiter returns a limiter of rate r and burst that holds tokens at
-// time at, at most burst, and below zero if tokens is (a debt: the bucket
-// refills it before it grants a token). x/time/rate has no setter for
-// tokens (golang/go#68677), so it takes the whole tokens above the level
-// from a full limiter; to keep a fraction of a token, it takes them
-// slightly before at, so that the fraction has refilled by at. A take
-// beyond the burst, into a debt, goes through a burst raised for it, as
-// x/time/rate reserves at most a burst at once.
+// time at, clamped to [0, burst]. x/time/rate has no setter for tokens
+// (golang/go#68677), so it takes the whole tokens above the level from a
+// full limiter; to keep a fraction of a token, it takes them slightly
+// before at, so that the fraction has refilled by at.
 func newLimiter(at time.Time, r rate.Limit, burst int, tokens float64) *rate.Limiter {
-	tokens = level(tokens, burst)
+	tokens = clamp(tokens, burst)
 	lim := rate.NewLimiter(r, burst)
 	take := math.Ceil(float64(burst) - tokens)
 	t := at
 	if d := wait(take-(float64(burst)-tokens), r); d > 0 && d < rate.InfDuration {
 		t = at.Add(-d)
 	}
-	if take > float64(burst) {
-		lim.SetBurstAt(t, int(take))
-		lim.ReserveN(t, int(take))
-		lim.SetBurstAt(t, burst)
-	} else {
-		lim.AllowN(t, int(take))
-	}
+	lim.AllowN(t, int(take))
 	return lim
-}
-
-// maxDebt bounds how far below zero a local bucket starts, in tokens: far
-// beyond any debt Redis's bucket holds (WaitN's reservations), and where a
-// float64 still holds a level to a few ten-thousandths of a token.
-const maxDebt = 1 << 40
-
-// level returns tokens as a bucket of burst starts from: at most burst, at
-// least -maxDebt, and 0 if NaN.
-func level(tokens float64, burst int) float64 {
-	if tokens != tokens {
-		return 0
-	}
-	return math.Max(math.Min(tokens, float64(burst)), -maxDebt)
 }
 
 // Observe records what Redis said of key: its bucket of the given burst,

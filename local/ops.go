@@ -19,15 +19,8 @@ import (
 // 2 s of an outage (simulator seed 8302).
 // start requires that the shard's mu is held.
 func (s *Shares) start(b *bucket, now time.Time, burst int, capacity, owed float64) (float64, mono) {
-	if !(capacity > 0) {
-		capacity = 0 // NaN too
-	}
 	if b.seen != 0 {
-		base := 0.0
-		if b.size > 0 {
-			base = level(b.tokens/b.size*capacity, burst)
-		}
-		return math.Max(base-owed, 0), b.seen
+		return clamp(b.tokens/b.size*capacity-owed, burst), b.seen
 	}
 	return clamp(capacity-owed, burst), s.mono(now)
 }
@@ -57,7 +50,7 @@ func (s *Shares) peek(now time.Time, key string, r rate.Limit, burst int, capaci
 	}
 	if lim := b.lim; lim != nil && !(b.seen != 0 && b.seen > b.seedAt) {
 		sh.mu.Unlock()
-		return level(lim.TokensAt(now), burst) // below zero in debt, as before the bucket was made
+		return clamp(lim.TokensAt(now), burst)
 	}
 	seed, at := s.start(b, now, burst, capacity, b.owed+s.spent(b, now))
 	sh.mu.Unlock()
