@@ -318,20 +318,17 @@ func (h *heart) beat() remote.Beat {
 		// holds: while Redis is away for decisions, and while the window
 		// to read is one whose report went unanswered. Redis may have
 		// counted that report (a Redis slower than the heartbeat's budget
-		// runs it, and the answer comes too late), and the instance, not
+		// runs it, and the answer comes too late); the instance, not
 		// knowing, would take a ticket, a few thousandths of the limit,
-		// and hold it through an outage starting then (simulator seed
-		// 1173: one instance held 0.005 of its limit after Redis was 300
-		// ms slow on a Heartbeat of 100 ms). Reads made while the breaker
-		// is open failed the outage floor in seed 8808 (a flapping
-		// Redis, then a kill), and left the view of a pod whose link is
-		// slower than Timeout for good at what it was when the breaker
-		// opened (docs/design.md says what that costs). The windows not
-		// read are read later, as the window before, if the instance's
-		// part in them is known. If a report in fact never reached Redis,
-		// or traffic moved while this instance held its older part, the
-		// weights add up to more than 1 by the difference, as they do
-		// while an instance is cut off from Redis (partial partitions).
+		// and hold it through an outage starting then. Reads while the
+		// breaker is open meet such windows too, and take the view away
+		// from what the fleet's traffic was when Redis last served this
+		// instance. The windows not read are read later, as the window
+		// before, if this instance's part in them is known. If a report
+		// in fact never reached Redis, or traffic moved while this
+		// instance held its older part, the weights add up to more than
+		// 1 by the difference, as they do while an instance is cut off
+		// from Redis (docs/design.md, partial partitions).
 		return remote.Beat{Base: h.lim.fleetKey(), Window: h.k, Offered: h.offered, Every: h.every, ReportOnly: true}
 	}
 	before := h.lim.view.Load().known < h.k-3 && !h.unsure(h.k-3)
@@ -644,7 +641,8 @@ func (q *heartHeap) Pop() any {
 // follows rising traffic a window later than falling traffic. A window
 // that nobody reported for leaves every view as it was, so "the window
 // before" is the last one with reports. An instance that did not read it
-// (its heartbeat failed or came late) gets it from Redis with
+// (its heartbeat failed or came late, its breaker was open, or its report
+// in that window went unanswered) gets it from Redis with
 // window m (h.Before), with a ticket if it was not counted there, even if
 // window m has no reports. Only if Redis could not give it (the heartbeat
 // was more than a window late, or window m-1 had no reports and the
