@@ -35,6 +35,16 @@ func newMini(t *testing.T) (*miniredis.Miniredis, *Pipe) {
 	return m, p
 }
 
+// newMiniClient returns a miniredis at t0 and a client of it of its own,
+// both closed by t.Cleanup: for the heartbeats, which go through no Pipe.
+func newMiniClient(t *testing.T) (*miniredis.Miniredis, *redis.Client) {
+	t.Helper()
+	m, _ := newMini(t)
+	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
+	t.Cleanup(func() { c.Close() })
+	return m, c
+}
+
 func mustLimit(t *testing.T, rate float64, burst int64) Limit {
 	t.Helper()
 	l, err := NewLimit(rate, burst)
@@ -380,9 +390,7 @@ func TestScriptTTLFollowsLimit(t *testing.T) {
 // ticket if it asks, and a window's hash expires once it can no longer be
 // read.
 func TestFleet(t *testing.T) {
-	m, _ := newMini(t)
-	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
-	defer c.Close()
+	m, c := newMiniClient(t)
 	ctx := context.Background()
 	const every = time.Second
 	k := t0.UnixMilli() / 1000

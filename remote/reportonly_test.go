@@ -4,8 +4,6 @@ import (
 	"context"
 	"testing"
 	"time"
-
-	"github.com/redis/go-redis/v9"
 )
 
 // TestReportOnlyReadsNothing: a ReportOnly beat whose window is four or
@@ -13,9 +11,7 @@ import (
 // a skew off) must not read a window and take a ticket there: read as
 // Window+1, it did.
 func TestReportOnlyReadsNothing(t *testing.T) {
-	m, _ := newMini(t)
-	c := redis.NewClient(&redis.Options{Addr: m.Addr()})
-	defer c.Close()
+	m, c := newMiniClient(t)
 	ctx := context.Background()
 	const every = time.Second
 	k := t0.UnixMilli() / 1000
