@@ -2,6 +2,7 @@ package hybridlimit
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -11,6 +12,8 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/hybridlimit/hybridlimit/internal/redistest"
+	"github.com/hybridlimit/hybridlimit/lua"
+	"github.com/hybridlimit/hybridlimit/remote"
 )
 
 // openLimiter returns a Limiter whose only node's breaker is open for an
@@ -166,6 +169,48 @@ func BenchmarkRemotePath(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// TestRemotePathAllocs: a decision Redis makes allocates at most two
+// more times than a bare Script.Run of the same script on the same client
+// (the key with its prefix, and gobreaker's ticket), on a client of
+// default options (the read on a sender goroutine) and on one with
+// ContextTimeoutEnabled (on the caller's). A context.WithTimeout for each
+// decision's budget made it six.
+func TestRemotePathAllocs(t *testing.T) {
+	srv := redistest.Start(t)
+	ctx := context.Background()
+	rl, err := remote.NewLimit(1e6, 1e9)
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := []any{strconv.FormatInt(rl.Q, 10), strconv.FormatInt(rl.P, 10),
+		strconv.FormatInt(rl.Cap(), 10), strconv.FormatInt(rl.Units(1), 10)}
+	for _, ctxTimeout := range []bool{false, true} {
+		c := redis.NewClient(&redis.Options{Addr: srv.Addr(), ContextTimeoutEnabled: ctxTimeout})
+		t.Cleanup(func() { c.Close() })
+		script, keys := redis.NewScript(lua.TokenBucket), []string{"script:k"}
+		bare := testing.AllocsPerRun(200, func() {
+			if err := script.Run(ctx, c, keys, args...).Err(); err != nil {
+				t.Fatal(err)
+			}
+		})
+		lim := newLimiter(t, Config{Redis: c, Limit: Limit{Rate: 1e6, Burst: 1e9}, Instances: 1, Heartbeat: -1,
+			Timeout: time.Second, Prefix: fmt.Sprintf("allocs%v:", ctxTimeout)})
+		for range 10 {
+			lim.Allow(ctx, "k")
+		}
+		got := testing.AllocsPerRun(200, func() {
+			if d, err := lim.Allow(ctx, "k"); err != nil || d.Mode != ModeRemote {
+				t.Fatalf("Allow = %+v, %v; want a remote decision", d, err)
+			}
+		})
+		if got > bare+2 {
+			t.Errorf("ContextTimeoutEnabled %v: a remote decision allocates %v times, a bare Script.Run %v; want at most 2 more",
+				ctxTimeout, got, bare)
+		}
+		t.Logf("ContextTimeoutEnabled %v: %v allocations a decision, %v for a bare Script.Run", ctxTimeout, got, bare)
 	}
 }
 

@@ -159,21 +159,25 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	if budget <= 0 {
 		return remote.Result{}, callerGone, breaker.Excluded, ""
 	}
-	rctx, cancel := context.WithTimeout(ctx, budget)
-	defer cancel()
+	// The pipe ends the call at the deadline, as it would a context's.
+	req.Deadline = time.Now().Add(budget)
+	rctx := ctx
 	var w *watcher
-	if watch {
+	if watch && lim.quiet(nd) {
+		// A watched call is abandoned by cancelling its context, and
+		// must return then, not at its deadline.
+		var cancel context.CancelFunc
+		rctx, cancel = context.WithDeadline(ctx, req.Deadline)
+		defer cancel()
 		w = lim.watch(nd, req.Key, budget, cancel)
+		req.Cancelable = true
 	}
-	// A watched call is abandoned by cancelling rctx, and must return
-	// then, not at rctx's deadline.
-	req.Cancelable = w != nil
 	res, err := pipe.Do(rctx, req)
 	// A connection the client pooled before a reset fails the write at
 	// once when the client cannot see the reset beforehand (over TLS,
 	// go-redis cannot): the call did not run, so it goes again, on the
 	// client's next connection, within the same budget.
-	for again := 0; remote.IsUnsent(err) && again < brokenRetries && rctx.Err() == nil; again++ {
+	for again := 0; remote.IsUnsent(err) && again < brokenRetries && rctx.Err() == nil && time.Now().Before(req.Deadline); again++ {
 		res, err = pipe.Do(rctx, req)
 	}
 	// The call was abandoned (an answer that came meanwhile is kept), or

@@ -597,16 +597,19 @@ func (w *watcher) moved() bool {
 	return !w.state.CompareAndSwap(watchPending, watchEnded) && w.state.Load() == watchMoved
 }
 
-// watch watches a call of key to nd, whose budget is budget and whose
-// context abandon cancels, if nd is quiet; it returns nil otherwise.
+// quiet reports whether a call to nd is to be watched: nd answered
+// nothing for quietFor, and the first contact is over.
+func (lim *Limiter) quiet(nd *node) bool {
+	return lim.cfg.now().UnixNano()-nd.answered.Load() >= int64(quietFor) && lim.warmedUp()
+}
+
+// watch watches a call of key to nd, a quiet node, whose budget is budget
+// and whose context abandon cancels.
 //
 // Watched calls share one reading at a time: a call whose watch comes
 // while another's reading is under way waits for it, and judges its own
 // slot by the layout it leaves, if it began after the call was sent.
 func (lim *Limiter) watch(nd *node, key string, budget time.Duration, abandon context.CancelFunc) *watcher {
-	if lim.cfg.now().UnixNano()-nd.answered.Load() < int64(quietFor) || !lim.warmedUp() {
-		return nil
-	}
 	w := &watcher{since: time.Now()}
 	w.timer = time.AfterFunc(budget/watchAfter, func() {
 		if w.state.Load() != watchPending || !lim.enter() {

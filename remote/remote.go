@@ -114,7 +114,11 @@ type Pipe struct {
 // reads it. Take and Charge reuse calls through their Pipe's pool, but only once
 // the worker is done with one: after its answer was received.
 type call struct {
-	ctx   context.Context
+	ctx context.Context // the caller's, or dl with the Request's Deadline
+	// dl is the call's context when its Request has a Deadline, kept
+	// across the call's uses; timed says it is in use.
+	dl    *deadlineCtx
+	timed bool
 	key   string
 	lim   Limit
 	cost  int64  // units (of 1/lim.P token) to take or charge
@@ -148,21 +152,40 @@ const (
 )
 
 // newCall returns a call from p's pool, its ready channel empty.
-func (p *Pipe) newCall(ctx context.Context, key string, lim Limit, cost int64, m mode) *call {
+// With a deadline, the call's context is ctx ending at deadline too.
+func (p *Pipe) newCall(ctx context.Context, deadline time.Time, key string, lim Limit, cost int64, m mode) *call {
 	c, _ := p.pool.Get().(*call)
 	if c == nil {
 		c = &call{ready: make(chan struct{}, 1)}
 	}
 	c.ctx, c.key, c.lim, c.cost, c.mode = ctx, key, lim, cost, m
+	if !deadline.IsZero() {
+		if c.dl == nil {
+			c.dl = new(deadlineCtx)
+		}
+		c.dl.start(ctx, deadline)
+		c.ctx, c.timed = c.dl, true
+	}
 	return c
 }
 
 // release returns c to p's pool. Only for a call whose answer was
 // received: nothing else refers to it any more, and ready is empty.
 func (p *Pipe) release(c *call) {
-	ready := c.ready
-	*c = call{ready: ready}
+	if c.timed {
+		c.dl.finish()
+	}
+	ready, dl := c.ready, c.dl
+	*c = call{ready: ready, dl: dl}
 	p.pool.Put(c)
+}
+
+// leave is what a caller that gives up on c does: the call may still be
+// in flight, and needs its own deadline only.
+func (c *call) leave() {
+	if c.timed {
+		c.dl.letGo()
+	}
 }
 
 // NewPipe returns a Pipe that runs the script through c on the node n
@@ -327,6 +350,11 @@ type Request struct {
 	// another Q (another rate of the same P) the debt it removes is not
 	// the one the reservation added.
 	Unreserve int64
+	// Deadline, if not zero, ends the call there if ctx has not ended it
+	// before: Do then behaves as if given context.WithDeadline(ctx,
+	// Deadline), without making one (a context, a timer, a channel and a
+	// cancel function for every decision).
+	Deadline time.Time
 	// Cancelable says that ctx may be cancelled before its deadline, or
 	// the Pipe closed, and that Do must return then. Without it, a call
 	// alone on an idle pipe whose client bounds its reads by the context's
@@ -364,7 +392,7 @@ func (p *Pipe) Do(ctx context.Context, r Request) (Result, error) {
 	case r.Lease > 0:
 		m = modeLease
 	}
-	c := p.newCall(ctx, r.Key, r.Limit, r.Units, m)
+	c := p.newCall(ctx, r.Deadline, r.Key, r.Limit, r.Units, m)
 	c.cancelable = r.Cancelable
 	if m == modeCharge && r.Once != "" {
 		c.once = OnceKey(r.Key, r.Once) // "" for a key that cannot have one
@@ -458,6 +486,7 @@ func (p *Pipe) await(c *call) (res Result, answered bool, err error) {
 	case <-c.ready:
 		return c.res, true, c.err
 	case <-c.ctx.Done():
+		c.leave()
 		if c.alone != nil {
 			// Nobody else waits for this batch: free its slot for the
 			// next, as a batch's timer does at its last deadline.
@@ -468,6 +497,7 @@ func (p *Pipe) await(c *call) (res Result, answered bool, err error) {
 		}
 		return Result{}, false, c.ctx.Err()
 	case <-p.done:
+		c.leave()
 		if c.alone != nil {
 			p.land(c.alone) // nobody waits for it any more: Close may
 		}

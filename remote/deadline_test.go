@@ -1,0 +1,133 @@
+package remote
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"testing/synctest"
+	"time"
+)
+
+type valueKey struct{}
+
+// isDone reports whether ctx's Done channel is closed.
+func isDone(ctx context.Context) bool {
+	select {
+	case <-ctx.Done():
+		return true
+	default:
+		return false
+	}
+}
+
+// TestDeadlineCtxEndsAtItsDeadline: a call's context ends at its
+// deadline, or at its caller's if that is sooner, as
+// context.WithDeadline's does.
+func TestDeadlineCtxEndsAtItsDeadline(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var d deadlineCtx
+		d.start(context.Background(), time.Now().Add(50*time.Millisecond))
+		if dl, ok := d.Deadline(); !ok || !dl.Equal(time.Now().Add(50*time.Millisecond)) {
+			t.Fatalf("Deadline() = %v, %v; want 50ms from now", dl, ok)
+		}
+		time.Sleep(49 * time.Millisecond)
+		synctest.Wait()
+		if isDone(&d) || d.Err() != nil {
+			t.Fatalf("ended before its deadline: %v", d.Err())
+		}
+		time.Sleep(time.Millisecond)
+		synctest.Wait()
+		if !isDone(&d) || !errors.Is(d.Err(), context.DeadlineExceeded) {
+			t.Fatalf("at its deadline: done %v, Err %v; want done, DeadlineExceeded", isDone(&d), d.Err())
+		}
+		d.finish()
+
+		parent, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+		defer cancel()
+		d.start(parent, time.Now().Add(time.Second))
+		if dl, _ := d.Deadline(); !dl.Equal(time.Now().Add(10 * time.Millisecond)) {
+			t.Fatalf("Deadline() = %v; want the caller's, 10ms from now", dl)
+		}
+		time.Sleep(10 * time.Millisecond)
+		synctest.Wait()
+		if !isDone(&d) || !errors.Is(d.Err(), context.DeadlineExceeded) {
+			t.Fatalf("at the caller's deadline: done %v, Err %v", isDone(&d), d.Err())
+		}
+		d.finish()
+	})
+}
+
+// TestDeadlineCtxFollowsItsCaller: a caller's cancellation ends the
+// call's context; once the caller has left (letGo), it no longer does,
+// and the deadline still holds.
+func TestDeadlineCtxFollowsItsCaller(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var d deadlineCtx
+		parent, cancel := context.WithCancel(context.WithValue(context.Background(), valueKey{}, "v"))
+		d.start(parent, time.Now().Add(time.Second))
+		if d.Value(valueKey{}) != "v" {
+			t.Errorf("Value = %v; want the caller's, v", d.Value(valueKey{}))
+		}
+		cancel()
+		synctest.Wait()
+		if !isDone(&d) || !errors.Is(d.Err(), context.Canceled) {
+			t.Fatalf("caller cancelled: done %v, Err %v; want done, Canceled", isDone(&d), d.Err())
+		}
+		d.finish()
+
+		parent, cancel = context.WithCancel(context.Background())
+		d.start(parent, time.Now().Add(time.Second))
+		d.letGo()
+		cancel()
+		synctest.Wait()
+		if isDone(&d) {
+			t.Fatalf("ended by a caller that had left: %v", d.Err())
+		}
+		time.Sleep(time.Second)
+		synctest.Wait()
+		if !errors.Is(d.Err(), context.DeadlineExceeded) {
+			t.Fatalf("after its deadline: Err %v; want DeadlineExceeded", d.Err())
+		}
+		d.finish()
+	})
+}
+
+// TestDeadlineCtxReused: a context that ended is reused with a new channel,
+// and what fires late from its earlier use (its timer, its caller's
+// cancellation) does not end the new one.
+func TestDeadlineCtxReused(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var d deadlineCtx
+		parent, cancel := context.WithCancel(context.Background())
+		d.start(parent, time.Now().Add(10*time.Millisecond))
+		first, gen := d.Done(), d.gen
+		time.Sleep(10 * time.Millisecond)
+		synctest.Wait()
+		d.finish()
+		cancel()
+
+		d.start(context.Background(), time.Now().Add(time.Second))
+		if d.Done() == first {
+			t.Fatal("a closed channel reused")
+		}
+		d.expired()                  // the earlier use's timer, firing late
+		d.end(gen, context.Canceled) // its caller's cancellation, arriving late
+		if isDone(&d) || d.Err() != nil {
+			t.Fatalf("ended by its earlier use: %v", d.Err())
+		}
+		// A use that ends before its deadline keeps its channel open,
+		// and the next use takes it as it is.
+		d.finish()
+		open := d.Done()
+		d.start(context.Background(), time.Now().Add(20*time.Millisecond))
+		if d.Done() != open {
+			t.Error("an open channel made again")
+		}
+		time.Sleep(20 * time.Millisecond)
+		synctest.Wait()
+		if !isDone(&d) {
+			t.Fatal("not ended at its deadline")
+		}
+		d.finish()
+	})
+}
