@@ -176,8 +176,9 @@ func BenchmarkRemotePath(b *testing.B) {
 // more times than a bare Script.Run of the same script on the same client
 // (the key with its prefix, and gobreaker's ticket), on a client of
 // default options (the read on a sender goroutine) and on one with
-// ContextTimeoutEnabled (on the caller's). A context.WithTimeout for each
-// decision's budget made it six.
+// ContextTimeoutEnabled (on the caller's); four more with a caller's
+// context that can end. A context.WithTimeout for each decision's budget
+// made it six, with such a context or without.
 func TestRemotePathAllocs(t *testing.T) {
 	srv := redistest.Start(t)
 	ctx := context.Background()
@@ -210,7 +211,21 @@ func TestRemotePathAllocs(t *testing.T) {
 			t.Errorf("ContextTimeoutEnabled %v: a remote decision allocates %v times, a bare Script.Run %v; want at most 2 more",
 				ctxTimeout, got, bare)
 		}
-		t.Logf("ContextTimeoutEnabled %v: %v allocations a decision, %v for a bare Script.Run", ctxTimeout, got, bare)
+		// A caller's context that can end (a request's) is followed by a
+		// context.AfterFunc, which allocates twice.
+		live, cancel := context.WithCancel(ctx)
+		defer cancel()
+		withCancel := testing.AllocsPerRun(200, func() {
+			if d, err := lim.Allow(live, "k"); err != nil || d.Mode != ModeRemote {
+				t.Fatalf("Allow = %+v, %v; want a remote decision", d, err)
+			}
+		})
+		if withCancel > bare+4 {
+			t.Errorf("ContextTimeoutEnabled %v: a remote decision with a cancelable context allocates %v times, a bare Script.Run %v; want at most 4 more",
+				ctxTimeout, withCancel, bare)
+		}
+		t.Logf("ContextTimeoutEnabled %v: %v allocations a decision (%v with a cancelable context), %v for a bare Script.Run",
+			ctxTimeout, got, withCancel, bare)
 	}
 }
 

@@ -17,20 +17,20 @@ import (
 // A use begins with start and ends with finish, which only a call's
 // release runs: once its answer was received, nothing else refers to it.
 // The timer's function and the caller's context's AfterFunc may still run
-// late, from a use that ended: each checks that it belongs to the use it
-// would end.
+// late, from a use that ended: each checks that what it reports is true of
+// the current use (its deadline passed, its caller's context ended).
 type deadlineCtx struct {
 	parent context.Context // the caller's, nil between uses
 
 	mu       sync.Mutex
 	deadline time.Time
-	gen      uint64        // uses begun, for the caller's AfterFunc
 	done     chan struct{} // closed when the use ends, made again after
 	err      error         // why done was closed
 
-	timer  *time.Timer
-	expire func()      // d.expired, bound once
-	detach func() bool // stops the caller's AfterFunc, if its context can end
+	timer     *time.Timer
+	expire    func()      // d.expired, bound once
+	cancelled func()      // d.parentEnded, bound once
+	detach    func() bool // stops the caller's AfterFunc, if its context can end
 }
 
 // start begins a use: d ends at deadline, or earlier with parent.
@@ -40,39 +40,69 @@ func (d *deadlineCtx) start(parent context.Context, deadline time.Time) {
 	}
 	d.mu.Lock()
 	d.parent, d.deadline = parent, deadline
-	d.gen++
-	gen := d.gen
 	if d.done == nil {
 		d.done = make(chan struct{})
 	}
+	// Ended already, it is so at once, as context.WithDeadline's is: a
+	// call must not go to Redis for a caller that has gone.
+	if err := parent.Err(); err != nil {
+		d.endLocked(err)
+	}
+	left := time.Until(deadline)
+	if left <= 0 {
+		d.endLocked(context.DeadlineExceeded)
+	}
+	ended := d.err != nil
 	d.mu.Unlock()
+	if ended {
+		return
+	}
 	if d.timer == nil {
-		d.expire = d.expired
-		d.timer = time.AfterFunc(time.Until(deadline), d.expire)
+		d.expire, d.cancelled = d.expired, d.parentEnded
+		d.timer = time.AfterFunc(left, d.expire)
 	} else {
-		d.timer.Reset(time.Until(deadline))
+		d.timer.Reset(left)
 	}
 	if parent.Done() != nil {
-		d.detach = context.AfterFunc(parent, func() { d.end(gen, parent.Err()) })
+		d.detach = context.AfterFunc(parent, d.cancelled)
 	}
 }
 
-// expired ends the current use if its deadline has passed: a firing left
+// expired ends the current use if its deadline has passed. A firing left
 // from an earlier use finds the deadline of this one still ahead.
 func (d *deadlineCtx) expired() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.parent != nil && d.err == nil && !time.Now().Before(d.deadline) {
-		d.err = context.DeadlineExceeded
-		close(d.done)
+	if d.parent != nil && !time.Now().Before(d.deadline) {
+		d.endLocked(context.DeadlineExceeded)
 	}
 }
 
-// end ends use gen with err, if it is still the current use.
-func (d *deadlineCtx) end(gen uint64, err error) {
+// parentEnded ends the current use if its caller's context has ended. One
+// left from an earlier use finds this one's caller still there.
+func (d *deadlineCtx) parentEnded() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.parent != nil && d.gen == gen && d.err == nil {
+	if d.parent != nil {
+		if err := d.parent.Err(); err != nil {
+			d.endLocked(err)
+		}
+	}
+}
+
+// cancel ends the current use, as its cancel function would end a
+// context.WithDeadline: for a call nobody will wait for again.
+func (d *deadlineCtx) cancel() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.parent != nil {
+		d.endLocked(context.Canceled)
+	}
+}
+
+// endLocked closes done with err, unless it is closed already.
+func (d *deadlineCtx) endLocked(err error) {
+	if d.err == nil {
 		d.err = err
 		close(d.done)
 	}
@@ -91,7 +121,9 @@ func (d *deadlineCtx) letGo() {
 // finish ends the use: the timer stopped, the caller's context let go, a
 // closed channel dropped for the next use to make another.
 func (d *deadlineCtx) finish() {
-	d.timer.Stop()
+	if d.timer != nil {
+		d.timer.Stop()
+	}
 	d.letGo()
 	d.mu.Lock()
 	d.parent = nil

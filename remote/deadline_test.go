@@ -100,7 +100,7 @@ func TestDeadlineCtxReused(t *testing.T) {
 		var d deadlineCtx
 		parent, cancel := context.WithCancel(context.Background())
 		d.start(parent, time.Now().Add(10*time.Millisecond))
-		first, gen := d.Done(), d.gen
+		first := d.Done()
 		time.Sleep(10 * time.Millisecond)
 		synctest.Wait()
 		d.finish()
@@ -110,8 +110,8 @@ func TestDeadlineCtxReused(t *testing.T) {
 		if d.Done() == first {
 			t.Fatal("a closed channel reused")
 		}
-		d.expired()                  // the earlier use's timer, firing late
-		d.end(gen, context.Canceled) // its caller's cancellation, arriving late
+		d.expired()     // the earlier use's timer, firing late
+		d.parentEnded() // its caller's cancellation, arriving late
 		if isDone(&d) || d.Err() != nil {
 			t.Fatalf("ended by its earlier use: %v", d.Err())
 		}
@@ -130,4 +130,30 @@ func TestDeadlineCtxReused(t *testing.T) {
 		}
 		d.finish()
 	})
+}
+
+// TestDeadlineCtxEndedAtStart: a caller's context that has ended, or a
+// deadline that has passed, ends the call's context at once, not a
+// goroutine later: a call must not reach Redis for a caller that has gone.
+// Cancelled (as at Close), it ends too.
+func TestDeadlineCtxEndedAtStart(t *testing.T) {
+	var d deadlineCtx
+	parent, cancel := context.WithCancel(context.Background())
+	cancel()
+	d.start(parent, time.Now().Add(time.Second))
+	if !isDone(&d) || !errors.Is(d.Err(), context.Canceled) {
+		t.Errorf("caller gone at start: done %v, Err %v; want done, Canceled", isDone(&d), d.Err())
+	}
+	d.finish()
+	d.start(context.Background(), time.Now().Add(-time.Millisecond))
+	if !isDone(&d) || !errors.Is(d.Err(), context.DeadlineExceeded) {
+		t.Errorf("deadline passed at start: done %v, Err %v; want done, DeadlineExceeded", isDone(&d), d.Err())
+	}
+	d.finish()
+	d.start(context.Background(), time.Now().Add(time.Second))
+	d.cancel()
+	if !isDone(&d) || !errors.Is(d.Err(), context.Canceled) {
+		t.Errorf("cancelled: done %v, Err %v; want done, Canceled", isDone(&d), d.Err())
+	}
+	d.finish()
 }

@@ -180,11 +180,21 @@ func (p *Pipe) release(c *call) {
 	p.pool.Put(c)
 }
 
-// leave is what a caller that gives up on c does: the call may still be
-// in flight, and needs its own deadline only.
+// leave is what a caller whose context ended does to c: the call may
+// still be in flight, and needs its own deadline only.
 func (c *call) leave() {
 	if c.timed {
 		c.dl.letGo()
+	}
+}
+
+// abandon is what a caller leaving at Close does to c: the call ends, as
+// a context's cancel function would end it, so that a call still queued
+// or waiting for a connection is not sent.
+func (c *call) abandon() {
+	if c.timed {
+		c.dl.letGo()
+		c.dl.cancel()
 	}
 }
 
@@ -497,7 +507,7 @@ func (p *Pipe) await(c *call) (res Result, answered bool, err error) {
 		}
 		return Result{}, false, c.ctx.Err()
 	case <-p.done:
-		c.leave()
+		c.abandon()
 		if c.alone != nil {
 			p.land(c.alone) // nobody waits for it any more: Close may
 		}
