@@ -775,15 +775,22 @@ func (r *simRun) scriptRan(tag int, key, marker string, argv []string, reply any
 	if again, _ := reply.([]any); len(again) > 0 && again[0] == int64(4) {
 		return // a charge applied before: nothing taken
 	}
-	if len(argv) <= 4 || argv[4] == "" {
-		// A refund (a negative cost), by Refund or by a WaitN giving
-		// back its reservation.
-		if units := simInt(argv[3]); units < 0 {
-			if r.refunds == nil {
-				r.refunds = map[string][]time.Duration{}
-			}
-			r.refunds[k.key] = append(r.refunds[k.key], now)
+	// A refund: a negative cost, by Refund, or a reservation given back
+	// by a WaitN whose caller gave up (the script's unreserve mode; it
+	// gave back if the reply says allowed).
+	refund := false
+	switch {
+	case len(argv) <= 4 || argv[4] == "":
+		refund = simInt(argv[3]) < 0
+	case argv[4] == "unreserve":
+		flags, _ := reply.([]any)
+		refund = len(flags) > 0 && flags[0] == int64(1)
+	}
+	if refund {
+		if r.refunds == nil {
+			r.refunds = map[string][]time.Duration{}
 		}
+		r.refunds[k.key] = append(r.refunds[k.key], now)
 	}
 	if len(argv) > 4 && argv[4] == "charge" {
 		units, p := simInt(argv[3]), simInt(argv[1])
