@@ -6,6 +6,9 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/alicebob/miniredis/v2"
+	"github.com/redis/go-redis/v9"
 )
 
 type valueKey struct{}
@@ -156,4 +159,40 @@ func TestDeadlineCtxEndedAtStart(t *testing.T) {
 		t.Errorf("cancelled: done %v, Err %v; want done, Canceled", isDone(&d), d.Err())
 	}
 	d.finish()
+}
+
+// TestCloseCancelsAWaitingCall: a call whose caller leaves at Close is
+// cancelled, as a context's cancel function would cancel it: one waiting
+// for a connection (the client's only one is taken) is not sent once the
+// connection frees. Left to its deadline, it took a token after Close.
+func TestCloseCancelsAWaitingCall(t *testing.T) {
+	m := miniredis.RunT(t)
+	m.SetTime(t0)
+	c := redis.NewClient(&redis.Options{Addr: m.Addr(), PoolSize: 1})
+	defer c.Close()
+	ctx := context.Background()
+	held := c.Conn()
+	if err := held.Ping(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	p := NewPipe(c, 2, nil)
+	lim := mustLimit(t, 1e-3, 10)
+	done := make(chan error, 1)
+	go func() {
+		_, err := p.Do(ctx, Request{Key: "k", Limit: lim, Units: lim.Units(1), Deadline: time.Now().Add(5 * time.Second)})
+		done <- err
+	}()
+	time.Sleep(50 * time.Millisecond) // the call waits for the connection
+	go func() {
+		time.Sleep(100 * time.Millisecond)
+		held.Close() // frees the connection, after Close has begun
+	}()
+	p.Close()
+	if err := <-done; !errors.Is(err, ErrClosed) {
+		t.Fatalf("Do = %v; want ErrClosed", err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if m.Exists("k") {
+		t.Error("a call left at Close was sent once the connection freed")
+	}
 }
