@@ -180,6 +180,13 @@ func BenchmarkRemotePath(b *testing.B) {
 // context that can end. A context.WithTimeout for each decision's budget
 // made it six, with such a context or without.
 func TestRemotePathAllocs(t *testing.T) {
+	if raceEnabled {
+		// The pipe pools its calls; under the race detector sync.Pool
+		// drops a quarter of them, and a dropped call is made again (14
+		// or 15 allocations then, at random). scripts/test.sh runs this
+		// test without -race too.
+		t.Skip("allocation counts of pooled calls are not meaningful under the race detector")
+	}
 	srv := redistest.Start(t)
 	ctx := context.Background()
 	rl, err := remote.NewLimit(1e6, 1e9)
