@@ -230,7 +230,7 @@ func (r *simRun) runCluster() {
 		cl.Nodes[p.Shards+sh].SetSkew(p.Skew[sh])
 	}
 	r.answered = map[answeredKey][]time.Duration{}
-	r.heard = map[int]time.Duration{}
+	r.heard = map[int][]time.Duration{}
 	cl.SetHooks(r.scriptRan, r.heartbeatRan)
 	sc.links = make([][]*simnet.Link, s.Slots)
 	for i := range sc.links {

@@ -455,11 +455,11 @@ type simRun struct {
 	recs     []record
 	charges  []charge
 	spins    []string
-	late     []string              // events the simulator applied after their time: the checks assume it
-	views    map[int]*fleet        // slot: the last view its heartbeat stored, while it is alive
-	viewers  map[int]*simObserver  // slot: the observer of the Limiter whose view views holds
-	overOne  []string              // weights held at once that added up to more than 1 (checkWeights)
-	heard    map[int]time.Duration // slot: when its first heartbeat ran in Redis
+	late     []string                // events the simulator applied after their time: the checks assume it
+	views    map[int]*fleet          // slot: the last view its heartbeat stored, while it is alive
+	viewers  map[int]*simObserver    // slot: the observer of the Limiter whose view views holds
+	overOne  []string                // weights held at once that added up to more than 1 (checkWeights)
+	heard    map[int][]time.Duration // slot: when Redis ran its heartbeats that read a closed window
 	// fault intervals per slot, filled from the schedule before the run
 	cut    [][]interval // hang or kill: no answer can come
 	killed []interval   // kill intervals (all slots)
@@ -867,9 +867,7 @@ func (r *simRun) viewed(i int, obs *simObserver, v *fleet) {
 // first heartbeat the server ran that read a closed window.
 func (r *simRun) heartbeatRan(tag int) {
 	r.mu.Lock()
-	if _, ok := r.heard[tag]; !ok {
-		r.heard[tag] = r.since()
-	}
+	r.heard[tag] = append(r.heard[tag], r.since())
 	r.mu.Unlock()
 }
 
@@ -888,7 +886,7 @@ func (r *simRun) run() {
 	r.srv = simredis.New()
 	r.answered = map[answeredKey][]time.Duration{}
 	r.srv.Hook = r.scriptRan
-	r.heard = map[int]time.Duration{}
+	r.heard = map[int][]time.Duration{}
 	r.srv.FleetHook = r.heartbeatRan
 	r.links = make([]*simnet.Link, s.Slots)
 	for i := range r.links {
@@ -1780,7 +1778,17 @@ func (r *simRun) checkFloor(add func(string, string, ...any)) {
 		if r.limitAt(ws+time.Second) != l {
 			continue
 		}
-		wmin := math.Min(evenPart/float64(live), 1/float64(max(s.CfgInst, 1)))
+		// The even part is split among the instances counted in the
+		// windows an instance last read: up to four Heartbeats old at
+		// the outage (the window read is the one before the heartbeat's,
+		// and its part is the lesser of it and the one before), so an
+		// instance that left that recently still counts.
+		hb := cmp.Or(s.Heartbeat, DefaultHeartbeat)
+		counted := live
+		if recent := r.aliveWithin(c.from-4*hb, c.from); recent > counted {
+			counted = recent
+		}
+		wmin := math.Min(evenPart/float64(counted), 1/float64(max(s.CfgInst, 1)))
 		if s.CfgInst == 0 {
 			// A pod not told Instances holds nothing until a heartbeat
 			// has read a closed window of its fleet (docs/design.md):
@@ -1791,8 +1799,21 @@ func (r *simRun) checkFloor(add func(string, string, ...any)) {
 					continue
 				}
 				// Its answer is read within the heartbeat's budget, a
-				// whole Heartbeat (the pacer's), or not at all.
-				if at, ok := r.heard[i]; !ok || at >= c.from-cmp.Or(s.Heartbeat, DefaultHeartbeat) {
+				// whole Heartbeat (the pacer's), or not at all: one that
+				// Redis ran while the link was slow, hung or down may
+				// have come too late to be read.
+				var disturbed []interval
+				if i < len(r.disturb) {
+					disturbed = r.disturb[i]
+				}
+				read := false
+				for _, at := range r.heard[i] {
+					if _, slow := within(at, disturbed); at < c.from-hb && !slow {
+						read = true
+						break
+					}
+				}
+				if !read {
 					wmin = 0
 				}
 			}
@@ -1846,6 +1867,18 @@ func (r *simRun) checkFloor(add func(string, string, ...any)) {
 			}
 		}
 	}
+}
+
+// aliveWithin returns how many slots had a live instance at some time in
+// [from, to].
+func (r *simRun) aliveWithin(from, to time.Duration) int {
+	n := 0
+	for _, a := range r.alive {
+		if a.from >= 0 && a.from <= to && a.to > from {
+			n++
+		}
+	}
+	return n
 }
 
 // killedOrHungAll returns the intervals in which every instance was cut off.
