@@ -195,6 +195,30 @@ func newRig(t *testing.T, clients []redis.UniversalClient, cfg Config) *rig {
 	return r
 }
 
+// settle waits until every Limiter holds a part of the limit read from
+// two windows in which its heartbeats were counted: a fleet that has been
+// running. A pod started less than about three Heartbeats before an outage
+// may hold only a ticket's part, that of the window before it reported
+// (docs/design.md, the weight rule: the lesser of two windows' parts);
+// the per-second counts of an outage at second 2 would measure that
+// instead of the outage (one instance admitted 0-1 a second of its 33 in
+// a CI run of TestFaultPaused).
+func (r *rig) settle() {
+	r.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for i, lim := range r.lims {
+		for {
+			if v := lim.view.Load(); v != nil && v.even > 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				r.t.Fatalf("instance %d: no part read from two windows after 10 s (view %+v)", i, lim.view.Load())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+}
+
 // decide returns instance i's Decide for loadgen, recording each decision.
 func (r *rig) decide(i int) loadgen.Decide {
 	lim := r.lims[i]
@@ -499,6 +523,7 @@ func TestFaultPaused(t *testing.T) {
 	leakCheck(t)
 	srv := redistest.Start(t)
 	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{})
+	r.settle()
 	var paused, resumed time.Time
 	res := r.run(8*time.Second, nil,
 		mark(2*time.Second, &paused, func() { srv.Pause(t) }),
@@ -524,6 +549,7 @@ func TestFaultKilled(t *testing.T) {
 	leakCheck(t)
 	srv := redistest.Start(t)
 	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{})
+	r.settle()
 	var killed, restarted time.Time
 	res := r.run(8*time.Second, nil,
 		mark(2*time.Second, &killed, func() { srv.Kill(t) }),
@@ -882,6 +908,7 @@ func TestFaultOOM(t *testing.T) {
 		}
 	}
 	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{})
+	r.settle()
 	var freed time.Time
 	res := r.run(6*time.Second, nil,
 		loadgen.Event{At: 2 * time.Second, Do: setMax("1")},
@@ -1070,6 +1097,7 @@ func TestFaultFailover(t *testing.T) {
 	master, replica := redistest.StartReplicated(t)
 	px := faultproxy.Start(t, master.Addr())
 	r := newRig(t, clients(t, px.Addr(), loadInstances), Config{})
+	r.settle()
 	var repointed time.Time
 	res := r.run(7*time.Second, nil,
 		loadgen.Event{At: 2 * time.Second, Do: func() {
