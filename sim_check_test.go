@@ -327,7 +327,7 @@ func TestSimFloorNeedsAHeartbeatReadInTime(t *testing.T) {
 		r := &simRun{s: schedule{Slots: 1, Instances: 1, CfgInst: 0, Policy: FailLocal, Keys: 1, Heartbeat: 100 * time.Millisecond,
 			Timeout: 20 * time.Millisecond, Duration: 4 * time.Second, Limit: l}}
 		r.heard = map[int][]time.Duration{0: {ms(200)}}
-		r.disturb = [][]interval{disturb}
+		r.hbDisturb = [][]interval{disturb}
 		r.limits = append(r.limits, struct {
 			at time.Duration
 			l  Limit
@@ -350,6 +350,33 @@ func TestSimFloorNeedsAHeartbeatReadInTime(t *testing.T) {
 	}
 	if got := run(nil); len(got) == 0 || got[0] != "outage-floor" {
 		t.Errorf("its one heartbeat run while the link was well, every call denied: %v; want outage-floor", got)
+	}
+}
+
+// TestSimHeartbeatDisturbances: a latency disturbs a heartbeat only if a
+// new connection's four round trips would not fit in its Heartbeat,
+// however it disturbs decisions (6 ms against a Timeout of 20 ms does, not
+// a Heartbeat of 100 ms; 30 ms does both); a flap, a hang, a kill and a
+// reset disturb both.
+func TestSimHeartbeatDisturbances(t *testing.T) {
+	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
+	r := &simRun{s: schedule{Slots: 1, Instances: 1, Policy: FailLocal, Limit: Limit{Rate: 10, Burst: 10},
+		Timeout: ms(20), Heartbeat: ms(100), Duration: 4 * time.Second, Events: []event{
+			{At: ms(100), Kind: "latency", For: ms(100), Lat: ms(6)},
+			{At: ms(500), Kind: "latency", For: ms(100), Lat: ms(30)},
+			{At: ms(1000), Kind: "flap", For: ms(100)},
+			{At: ms(1500), Kind: "hang", For: ms(100)},
+		}}}
+	r.plan()
+	for _, c := range []struct {
+		at           time.Duration
+		decision, hb bool
+	}{{ms(150), true, false}, {ms(550), true, true}, {ms(1050), true, true}, {ms(1550), true, true}, {ms(1800), false, false}} {
+		_, dec := within(c.at, r.disturb[0])
+		_, hb := within(c.at, r.hbDisturb[0])
+		if dec != c.decision || hb != c.hb {
+			t.Errorf("at %v: disturbs decisions %v, heartbeats %v; want %v, %v", c.at, dec, hb, c.decision, c.hb)
+		}
 	}
 }
 

@@ -468,9 +468,13 @@ type simRun struct {
 	// refills the jump at once.
 	ahead   []time.Duration
 	disturb [][]interval // cut, latency, flap: time-outs possible
-	alive   []interval   // per slot: from join to leave
-	dials   [][]interval // per slot: its dials, in a run whose dials take time (DialDelay)
-	limits  []struct {
+	// hbDisturb is disturb for a heartbeat, whose round trip has a whole
+	// Heartbeat: a latency counts only if a new connection's four round
+	// trips would not fit in it.
+	hbDisturb [][]interval
+	alive     []interval   // per slot: from join to leave
+	dials     [][]interval // per slot: its dials, in a run whose dials take time (DialDelay)
+	limits    []struct {
 		at time.Duration
 		l  Limit
 	}
@@ -519,6 +523,7 @@ func (r *simRun) plan() {
 	r.cut = make([][]interval, s.Slots)
 	r.dials = make([][]interval, s.Slots)
 	r.disturb = make([][]interval, s.Slots)
+	r.hbDisturb = make([][]interval, s.Slots)
 	r.alive = make([]interval, s.Slots)
 	for i := range s.Slots {
 		r.alive[i] = interval{0, s.Duration}
@@ -544,6 +549,7 @@ func (r *simRun) plan() {
 			for _, i := range targets {
 				r.cut[i] = append(r.cut[i], iv)
 				r.disturb[i] = append(r.disturb[i], iv)
+				r.hbDisturb[i] = append(r.hbDisturb[i], iv)
 			}
 			if e.Kind == "kill" {
 				r.killed = append(r.killed, iv)
@@ -552,6 +558,11 @@ func (r *simRun) plan() {
 			// A decision that needs a new connection pays four round
 			// trips (the handshake, HELLO, CLIENT SETINFO, the script):
 			// latency is harmless only when those fit in the budget.
+			if e.Kind == "flap" || 4*e.Lat >= cmp.Or(r.s.Heartbeat, DefaultHeartbeat) {
+				for _, i := range targets {
+					r.hbDisturb[i] = append(r.hbDisturb[i], iv)
+				}
+			}
 			if e.Kind == "latency" && 4*e.Lat < r.s.Timeout {
 				continue
 			}
@@ -561,6 +572,7 @@ func (r *simRun) plan() {
 		case "reset":
 			for _, i := range targets {
 				r.disturb[i] = append(r.disturb[i], interval{e.At, e.At + time.Millisecond})
+				r.hbDisturb[i] = append(r.hbDisturb[i], interval{e.At, e.At + time.Millisecond})
 			}
 		case "join":
 			for _, i := range e.Who {
@@ -1800,11 +1812,11 @@ func (r *simRun) checkFloor(add func(string, string, ...any)) {
 				}
 				// Its answer is read within the heartbeat's budget, a
 				// whole Heartbeat (the pacer's), or not at all: one that
-				// Redis ran while the link was slow, hung or down may
-				// have come too late to be read.
+				// Redis ran while the link was too slow for that, hung or
+				// down may have come too late to be read.
 				var disturbed []interval
-				if i < len(r.disturb) {
-					disturbed = r.disturb[i]
+				if i < len(r.hbDisturb) {
+					disturbed = r.hbDisturb[i]
 				}
 				read := false
 				for _, at := range r.heard[i] {

@@ -38,6 +38,13 @@ func (d *deadlineCtx) start(parent context.Context, deadline time.Time) {
 	if pd, ok := parent.Deadline(); ok && pd.Before(deadline) {
 		deadline = pd
 	}
+	// On the monotonic clock, as context.WithDeadline counts: a deadline
+	// without a monotonic reading (time.Unix, Round(0)) would otherwise
+	// move with the wall clock, and expired would never end the use if it
+	// stepped back.
+	now := time.Now()
+	left := deadline.Sub(now)
+	deadline = now.Add(left)
 	d.mu.Lock()
 	d.parent, d.deadline = parent, deadline
 	if d.done == nil {
@@ -48,7 +55,6 @@ func (d *deadlineCtx) start(parent context.Context, deadline time.Time) {
 	if err := parent.Err(); err != nil {
 		d.endLocked(err)
 	}
-	left := time.Until(deadline)
 	if left <= 0 {
 		d.endLocked(context.DeadlineExceeded)
 	}
@@ -148,10 +154,18 @@ func (d *deadlineCtx) Done() <-chan struct{} {
 	return d.done
 }
 
-// Err returns why Done was closed, or nil.
+// Err returns why Done was closed, or nil. A caller's context that has
+// ended ends the use here and now, as it ends a context.WithDeadline's in
+// its cancel function: the AfterFunc that closes Done runs a goroutine
+// later, and a call still queued must not be sent meanwhile.
 func (d *deadlineCtx) Err() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if d.err == nil && d.parent != nil {
+		if err := d.parent.Err(); err != nil {
+			d.endLocked(err)
+		}
+	}
 	return d.err
 }
 

@@ -135,6 +135,24 @@ func TestDeadlineCtxReused(t *testing.T) {
 	})
 }
 
+// TestDeadlineCtxErrFollowsItsCallerAtOnce: once the caller's context is
+// cancelled, the call's Err says so at once, as context.WithDeadline's
+// does inside the cancel function; its Done follows a goroutine later. A
+// queued call is dropped by its Err, and must not be sent meanwhile.
+func TestDeadlineCtxErrFollowsItsCallerAtOnce(t *testing.T) {
+	var d deadlineCtx
+	for range 100 {
+		parent, cancel := context.WithCancel(context.Background())
+		d.start(parent, time.Now().Add(time.Second))
+		cancel()
+		if err := d.Err(); !errors.Is(err, context.Canceled) {
+			t.Fatalf("Err() = %v just after the caller's cancel; want Canceled", err)
+		}
+		<-d.Done()
+		d.finish()
+	}
+}
+
 // TestDeadlineCtxEndedAtStart: a caller's context that has ended, or a
 // deadline that has passed, ends the call's context at once, not a
 // goroutine later: a call must not reach Redis for a caller that has gone.
