@@ -159,25 +159,29 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	if budget <= 0 {
 		return remote.Result{}, callerGone, breaker.Excluded, ""
 	}
-	// The pipe ends the call at the deadline, as it would a context's.
-	req.Deadline = time.Now().Add(budget)
+	deadline := time.Now().Add(budget)
 	rctx := ctx
 	var w *watcher
 	if watch && lim.quiet(nd) {
 		// A watched call is abandoned by cancelling its context, and
-		// must return then, not at its deadline.
+		// must return then, not at its deadline: a context of its own,
+		// which carries the deadline too.
 		var cancel context.CancelFunc
-		rctx, cancel = context.WithDeadline(ctx, req.Deadline)
+		rctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()
 		w = lim.watch(nd, req.Key, budget, cancel)
 		req.Cancelable = true
+	} else {
+		// The pipe ends the call at the deadline, as it would a
+		// context's, without making one.
+		req.Deadline = deadline
 	}
 	res, err := pipe.Do(rctx, req)
 	// A connection the client pooled before a reset fails the write at
 	// once when the client cannot see the reset beforehand (over TLS,
 	// go-redis cannot): the call did not run, so it goes again, on the
 	// client's next connection, within the same budget.
-	for again := 0; remote.IsUnsent(err) && again < brokenRetries && rctx.Err() == nil && time.Now().Before(req.Deadline); again++ {
+	for again := 0; remote.IsUnsent(err) && again < brokenRetries && rctx.Err() == nil && time.Now().Before(deadline); again++ {
 		res, err = pipe.Do(rctx, req)
 	}
 	// The call was abandoned (an answer that came meanwhile is kept), or
