@@ -125,7 +125,7 @@ func slowDialing(t *testing.T) *redis.Client {
 // charge each reconciliation, all of them every time (ten minutes of
 // OnceFor: thousands).
 func TestUnansweredChargesDoNotPileUp(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		r := newChargeRig(t, Config{Limit: Limit{Rate: 1000, Burst: 1000}, Instances: 1, Heartbeat: -1,
 			Timeout: 50 * time.Millisecond, Breaker: BreakerConfig{Failures: 1000}})
 		ctx := context.Background()
@@ -155,7 +155,7 @@ func TestUnansweredChargesDoNotPileUp(t *testing.T) {
 // breaker never opened, and no local decision follows: the answers
 // themselves must bring the charge back, or the spending is never charged.
 func TestUnansweredChargeIsSentAgain(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
 		ctx := context.Background()
@@ -184,7 +184,7 @@ func TestUnansweredChargeIsSentAgain(t *testing.T) {
 // an AllowAtMost granted, and a denial answered from what Redis said of
 // the key, without a round trip.
 func TestDecisionEvent(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		var mu sync.Mutex
 		var evs []DecisionEvent
 		obs := observerFuncs{decision: func(e DecisionEvent) { mu.Lock(); evs = append(evs, e); mu.Unlock() }}
@@ -333,7 +333,7 @@ func (r *chargeRig) sent(key string) int {
 // must be dropped, not kept for OnceFor, during which every answer of
 // Redis would start another reconciliation, each a pass over every key.
 func TestRefundedPendingChargeIsDropped(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		var passes atomic.Int64
 		cfg := Config{Limit: Limit{Rate: 0.01, Burst: 10}, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond}
 		cfg.onPass = func() { passes.Add(1) }
@@ -354,7 +354,7 @@ func TestRefundedPendingChargeIsDropped(t *testing.T) {
 // other masters' answers cannot send it: each must not start a
 // reconciliation, a pass over every key, every reconcileAfter.
 func TestPendingChargeOfADownNode(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		var passes atomic.Int64
 		cfg := Config{Limit: Limit{Rate: 1000, Burst: 1000}, Timeout: 50 * time.Millisecond, Heartbeat: -1, Instances: 1,
 			Breaker: BreakerConfig{Failures: 3}}
@@ -399,7 +399,7 @@ func TestPendingChargeOfADownNode(t *testing.T) {
 // charge to be refused again: a pass and a refusal every reconcileAfter,
 // with no traffic at all.
 func TestRefusedChargeIsNotResentAtOnce(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		var passes atomic.Int64
 		cfg := Config{Limit: Limit{Rate: 0.01, Burst: 10}, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond}
 		cfg.onPass = func() { passes.Add(1) }
@@ -524,7 +524,7 @@ func TestResentChargeOfAnEvictedEntry(t *testing.T) {
 // longer than the key's TTL under the old limit finds no key, and a full
 // bucket of the new limit, as a healthy Redis would.)
 func TestProbeAfterSetLimit(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		r := newChargeRig(t, Config{Limit: PerSecond(100), Instances: 1, Heartbeat: -1,
 			Timeout: 50 * time.Millisecond, Breaker: BreakerConfig{Failures: 1}})
 		ctx := context.Background()
@@ -569,7 +569,7 @@ func TestProbeAfterSetLimit(t *testing.T) {
 // must end within a few budgets of the hang, and must not close the
 // breaker on a Redis that has not answered since.
 func TestProbeReconcileMeetsAHang(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		var armed atomic.Bool
 		var hungAt atomic.Int64
 		var r *chargeRig
@@ -631,7 +631,7 @@ func TestProbeReconcileMeetsAHang(t *testing.T) {
 // bucket that refilled all through the outage. The success of the earlier
 // pass is the test's own half-open ticket.
 func TestProbeSuccessCountedBeforeItsPass(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		const openFor = 50 * time.Millisecond
 		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond,
@@ -687,7 +687,7 @@ func TestProbeSuccessCountedBeforeItsPass(t *testing.T) {
 // reconciler's next pass, 100 ms after the close, it let the decisions
 // meanwhile take from a bucket not yet charged with it.
 func TestProbeChargesWhatFollowsAResentCharge(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		var r *chargeRig
 		var atClose atomic.Int64 // units charged when the breaker closed, plus one
@@ -744,7 +744,7 @@ func TestProbeChargesWhatFollowsAResentCharge(t *testing.T) {
 // reconcileAfter later; closed before then, the instance must still charge
 // it, or the fleet admits it on top of the limit.
 func TestCloseChargesWhatIsOwed(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
 		ctx := context.Background()
@@ -782,7 +782,7 @@ func TestCloseChargesWhatIsOwed(t *testing.T) {
 // with no time-out, no breaker change and no local decision to start a
 // pass.
 func TestSpendingBehindAResentChargeIsCharged(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
 		ctx := context.Background()
@@ -823,7 +823,7 @@ func TestSpendingBehindAResentChargeIsCharged(t *testing.T) {
 // owed must go under the pending charge's Once, which Redis applied
 // already: under a new one, Redis takes them on top of the 5.
 func TestPartlyRefundedPendingChargeIsNotChargedTwice(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		limit := Limit{Rate: 0.01, Burst: 10}
 		r := newChargeRig(t, Config{Limit: limit, Instances: 1, Heartbeat: -1, Timeout: 50 * time.Millisecond})
 		ctx := context.Background()

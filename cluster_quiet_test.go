@@ -11,7 +11,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"testing/synctest"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -31,7 +30,7 @@ import (
 func clientKinds(t *testing.T, f func(t *testing.T, ctxTimeout bool)) {
 	for _, ctxTimeout := range []bool{false, true} {
 		t.Run(map[bool]string{false: "default", true: "ContextTimeoutEnabled"}[ctxTimeout], func(t *testing.T) {
-			synctest.Test(t, func(t *testing.T) { f(t, ctxTimeout) })
+			bubble(t, func(t *testing.T) { f(t, ctxTimeout) })
 		})
 	}
 }
@@ -726,7 +725,7 @@ func (h slotsCounter) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.
 // needs two answers (a master is failing here, its replica is asked
 // first), and the replica that hangs is that master's.
 func TestLayoutReadingHedged(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		const timeout = 40 * time.Millisecond
 		cl, links, lim := onSimCluster(t, Config{Limit: PerSecond(100), Timeout: timeout}, false)
 		if _, err := lim.Allow(context.Background(), "k"); err != nil {
@@ -771,7 +770,7 @@ func TestLayoutReadingHedged(t *testing.T) {
 // the first contact waits in go-redis's reads of the layout, which only
 // Redis's answer ends. Close must return all the same.
 func TestCloseDuringClusterFirstContactWithUnboundedReadTimeout(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		t.Cleanup(func() { time.Sleep(30 * time.Second) }) // last
 		cl := simredis.NewCluster(3, func(slot int) int { return slot * 3 / remote.Slots })
 		t.Cleanup(cl.Close)
@@ -864,7 +863,7 @@ func TestOwnClientsFollowTheLayout(t *testing.T) {
 // the handshake the user's Cluster client would: identity settings
 // included, so that an ACL log or CLIENT LIST shows what the user chose.
 func TestOwnClientsKeepTheUsersOptions(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		cl, _, lim := onSimClusterOpts(t, Config{Limit: PerSecond(10), Heartbeat: -1, Instances: 1}, false, func(_ *simredis.Cluster, o *redis.ClusterOptions) {
 			o.ClientName, o.IdentitySuffix, o.DisableIdentity, o.UnstableResp3 = "svc", "-a", true, true
 			o.DisableIndentity = true //nolint:staticcheck // deprecated, still honoured by go-redis

@@ -6,7 +6,6 @@ import (
 	"strconv"
 	"sync"
 	"testing"
-	"testing/synctest"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -23,7 +22,7 @@ import (
 // them. Such a decision did not run, so it goes again on the next
 // connection; none may fall to the local share.
 func TestDecisionsSurviveResetConnsOverTLS(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		srv := simredis.New()
 		defer srv.Close()
 		link := simnet.NewLink()
@@ -75,7 +74,7 @@ func TestDecisionsSurviveResetConnsOverTLS(t *testing.T) {
 // once: the charges it applied add up to at most what was admitted
 // locally.
 func TestChargesAppliedOnce(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
+	bubble(t, func(t *testing.T) {
 		srv := simredis.New()
 		defer srv.Close()
 		var mu sync.Mutex

@@ -727,7 +727,8 @@ func (s *splitmix) Uint64() uint64 {
 	return z ^ z>>31
 }
 
-// simulate runs s inside a bubble of t and returns the violations found,
+// simulate runs s inside a bubble of t (bubble: a replay runs several in
+// one process as it shrinks a schedule) and returns the violations found,
 // by invariant, and the calls it recorded.
 func simulate(t *testing.T, s schedule) (map[string][]string, []record) {
 	v := map[string][]string{}
@@ -742,7 +743,7 @@ func simulate(t *testing.T, s schedule) (map[string][]string, []record) {
 				v["goroutine-leak"] = append(v["goroutine-leak"], msg)
 			}
 		}()
-		synctest.Test(t, func(*testing.T) {
+		bubble(t, func(*testing.T) {
 			if s.Cluster != nil {
 				r.runCluster()
 			} else {
@@ -2179,14 +2180,9 @@ type seedResult struct {
 // seed's result.
 const simResultPrefix = "SIMRESULT "
 
-// runSeed simulates seed in a bubble of its own, after emptying the
-// package-level pools that may hold another bubble's timers.
+// runSeed simulates seed in a bubble of its own.
 func runSeed(t *testing.T, seed uint64) seedResult {
 	start := time.Now()
-	// A GC moves a sync.Pool's contents to its victim cache, a second
-	// drops them.
-	runtime.GC()
-	runtime.GC()
 	sched := genSchedule(seed)
 	v, _ := simulate(t, sched)
 	r := seedResult{Seed: seed, Features: sched.features()}
