@@ -256,8 +256,19 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 }
 
 // classify turns a call's error into its outcome and what it says of the
-// node.
+// node. A failed round trip that carried several calls, or a wait for the
+// pipe that several left unsent, says it once (remote.ClaimTrip): the
+// first of them to count as a failure counts, the others are left out.
 func (lim *Limiter) classify(ctx context.Context, err error, budget time.Duration) (outcome, breaker.Outcome) {
+	o, verdict := lim.judge(ctx, err, budget)
+	if verdict == breaker.Failure && !remote.ClaimTrip(err) {
+		verdict = breaker.Excluded
+	}
+	return o, verdict
+}
+
+// judge is classify of one call, as if it went alone.
+func (lim *Limiter) judge(ctx context.Context, err error, budget time.Duration) (outcome, breaker.Outcome) {
 	// A time-out says something of Redis only if the budget was long
 	// enough, and once the first contact (dialing, loading the scripts and
 	// the Cluster's layout, in the background from New) is over: a cold

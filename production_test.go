@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -379,6 +380,73 @@ func TestColdStart(t *testing.T) {
 		// holds two round trips.
 		if remoteN.Load() == 0 {
 			t.Errorf("no decision of %d by Redis; want those after the first contact", 3*8*20)
+		}
+	})
+}
+
+// TestOneTripCountsOnce: the calls of one batch that Redis does not answer
+// count once against the node's breaker (remote.TestOneClaimPerTrip), and
+// a caller of the batch that cancelled, whose failure is its own and not
+// Redis's, does not take that one count from the others: the round trip
+// would then count for nothing.
+func TestOneTripCountsOnce(t *testing.T) {
+	lim := newLimiter(t, Config{Redis: refused(t), Limit: PerSecond(10), Instances: 1, Heartbeat: -1})
+	bubble(t, func(t *testing.T) {
+		const n = 5
+		errs := make([]error, n)
+		ctxs := make([]context.Context, n)
+		link := simnet.NewLink()
+		c := redis.NewClient(&redis.Options{
+			Addr: "10.0.0.1:6379",
+			Dialer: func(context.Context, string, string) (net.Conn, error) {
+				return link.Dial(func(c net.Conn) { go io.Copy(io.Discard, c) }) // reads, never answers
+			},
+		})
+		defer c.Close()
+		p := remote.NewPipe(c, 1, nil)
+		defer p.Close()
+		rl, _ := remote.NewLimit(10, 10)
+		start := time.Now()
+		var wg sync.WaitGroup
+		// The first call holds the pipe's only slot until its deadline; the
+		// next five queue meanwhile and go out together. The first of them
+		// is cancelled by its caller at 200 ms, the others end at 300 ms.
+		wg.Go(func() {
+			_, _ = p.Do(context.Background(), remote.Request{Key: "a", Limit: rl, Units: rl.Units(1), Deadline: start.Add(100 * time.Millisecond)})
+		})
+		time.Sleep(10 * time.Millisecond)
+		for i := range n {
+			ctx := context.Background()
+			if i == 0 {
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithCancel(ctx)
+				time.AfterFunc(200*time.Millisecond, cancel)
+			}
+			ctxs[i] = ctx
+			wg.Go(func() {
+				_, errs[i] = p.Do(ctx, remote.Request{Key: fmt.Sprint("k", i), Limit: rl, Units: rl.Units(1), Deadline: start.Add(300 * time.Millisecond)})
+			})
+		}
+		wg.Wait()
+		failures := 0
+		for i, err := range errs {
+			o, verdict := lim.classify(ctxs[i], err, lim.cfg.Timeout)
+			if i == 0 {
+				if o != callerGone || verdict != breaker.Excluded {
+					t.Errorf("the cancelled caller's call (%v): %v, %v; want caller gone, excluded", err, o, verdict)
+				}
+				continue
+			}
+			switch verdict {
+			case breaker.Failure:
+				failures++
+			case breaker.Excluded:
+			default:
+				t.Errorf("call %d (%v): %v; want a failure or excluded", i, err, verdict)
+			}
+		}
+		if failures != 1 {
+			t.Errorf("one unanswered round trip of %d calls counted %d failures; want 1", len(errs), failures)
 		}
 	})
 }

@@ -172,3 +172,9 @@ func MayHaveRun(err error) bool {
 	var op *net.OpError
 	return !errors.As(err, &op) || op.Op != "dial"
 }
+
+// isReply reports whether err is an error the server answered with.
+func isReply(err error) bool {
+	var rerr redis.Error
+	return errors.As(err, &rerr)
+}

@@ -104,6 +104,10 @@ type Pipe struct {
 	// several at once).
 	pool sync.Pool
 
+	// stall is what the calls that leave unsent share until a slot is
+	// freed: one wait for a slot (ClaimTrip); nil until one leaves.
+	stall atomic.Pointer[trip]
+
 	mu     sync.RWMutex   // protects closed, and wg.Add against Close's wg.Wait
 	closed bool           // Close has begun
 	wg     sync.WaitGroup // the dispatcher, every batch's goroutine and sender, every inline call
@@ -136,6 +140,9 @@ type call struct {
 	one   [1]*call
 	own   flight
 	alone *flight
+	// trip is the round trip of the batch the call went out in, set
+	// before sent; nil for a call sent alone.
+	trip *trip
 }
 
 // mode is the script's mode for a call.
@@ -483,7 +490,7 @@ func (p *Pipe) doCall(c *call) (res Result, answered bool, err error) {
 	select {
 	case p.calls <- c:
 	case <-ctx.Done():
-		return Result{}, true, ctx.Err()
+		return Result{}, true, p.stalled().wrap(ctx.Err())
 	case <-p.done:
 		return Result{}, true, ErrClosed
 	}
@@ -503,9 +510,9 @@ func (p *Pipe) await(c *call) (res Result, answered bool, err error) {
 			p.land(c.alone)
 		}
 		if c.sent.Load() {
-			return Result{}, false, fmt.Errorf("%w: %w", ErrUnanswered, c.ctx.Err())
+			return Result{}, false, c.trip.wrap(fmt.Errorf("%w: %w", ErrUnanswered, c.ctx.Err()))
 		}
-		return Result{}, false, c.ctx.Err()
+		return Result{}, false, p.stalled().wrap(c.ctx.Err())
 	case <-p.done:
 		c.abandon()
 		if c.alone != nil {
@@ -603,13 +610,71 @@ func (p *Pipe) dispatch() {
 // flight is a batch in flight. It holds one of the pipe's slots until
 // land is called, once: when the batch is answered, or when nobody waits
 // for it any more.
-type flight struct{ landed atomic.Bool }
+type flight struct {
+	landed atomic.Bool
+	trip   trip // of a batch of several calls
+}
 
-// land frees f's slot, unless it was freed already.
+// land frees f's slot, unless it was freed already. The calls that leave
+// unsent from then on wait for another slot: a stall of their own.
 func (p *Pipe) land(f *flight) {
 	if f.landed.CompareAndSwap(false, true) {
+		p.stall.Store(nil)
 		<-p.slots
 	}
+}
+
+// trip is one piece of evidence of a node's health that several calls
+// share: a round trip that carried them, or a wait for a slot that none of
+// them outlived.
+type trip struct{ counted atomic.Bool }
+
+// tripError is the failure of a call that shares its trip with others.
+type tripError struct {
+	err  error
+	trip *trip
+}
+
+func (e *tripError) Error() string { return e.err.Error() }
+func (e *tripError) Unwrap() error { return e.err }
+
+// wrap returns err, a call's failure, tied to t; err itself if t is nil.
+func (t *trip) wrap(err error) error {
+	if t == nil {
+		return err
+	}
+	return &tripError{err, t}
+}
+
+// stalled returns the stall the calls leaving unsent now share.
+func (p *Pipe) stalled() *trip {
+	for {
+		if t := p.stall.Load(); t != nil {
+			return t
+		}
+		if t := new(trip); p.stall.CompareAndSwap(nil, t) {
+			return t
+		}
+	}
+}
+
+// ClaimTrip reports whether err, the failure of a call returned by a
+// Pipe, is the first of its trip to be counted against the node, and
+// counts it. A round trip that carried several calls and failed (not
+// answered, its connection lost) is one piece of evidence of the node's
+// health, however many calls it carried, and so is one wait for a slot
+// that several calls left unsent: counted per call, one answer 30 ms
+// late to a pipeline of five, or five calls queued behind it, would open a
+// breaker that five calls sent one by one must each fail to open. A call
+// sent alone is its own trip: always true. Claim only a failure that
+// counts (not a caller's own cancellation): the first claim takes the
+// trip's one count.
+func ClaimTrip(err error) bool {
+	var te *tripError
+	if !errors.As(err, &te) {
+		return true
+	}
+	return te.trip.counted.CompareAndSwap(false, true)
 }
 
 // send runs one batch and frees its slot when it is answered or when its
@@ -692,6 +757,9 @@ func (p *Pipe) run(batch []*call, f *flight) {
 			c.res, c.err = Result{}, err
 			continue
 		}
+		if len(batch) > 1 {
+			c.trip = &f.trip
+		}
 		c.sent.Store(true)
 		live++
 	}
@@ -741,6 +809,9 @@ func (p *Pipe) run(batch []*call, f *flight) {
 				err = fmt.Errorf("%w: %v", ErrUnanswered, err)
 			}
 			c.result(cmds[i], err)
+			if err != nil && !isReply(err) {
+				c.err = c.trip.wrap(c.err)
+			}
 			answered = answered || c.err == nil
 		}
 	}

@@ -935,3 +935,67 @@ func TestPingOpensConns(t *testing.T) {
 		conn.Close()
 	}
 }
+
+// TestOneClaimPerTrip: the calls of one batch that Redis does not answer
+// share one round trip, and the calls that leave unsent while it holds
+// the pipe's only slot share one wait for it: ClaimTrip counts each once,
+// so that a breaker counts them as it counts one call sent alone. The
+// server reads and never answers.
+func TestOneClaimPerTrip(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		link := simnet.NewLink()
+		c := redis.NewClient(&redis.Options{
+			Addr: "10.0.0.1:6379",
+			Dialer: func(context.Context, string, string) (net.Conn, error) {
+				return link.Dial(func(c net.Conn) { go io.Copy(io.Discard, c) })
+			},
+		})
+		defer c.Close()
+		p := NewPipe(c, 1, nil)
+		defer p.Close()
+		lim := mustLimit(t, 10, 10)
+		start := time.Now()
+		do := func(key string, deadline time.Duration) error {
+			_, err := p.Do(context.Background(), Request{Key: key, Limit: lim, Units: lim.Units(1), Deadline: start.Add(deadline)})
+			return err
+		}
+		// The first call holds the slot until its deadline, 100 ms; five
+		// queue meanwhile and go out together, holding it until theirs,
+		// 300 ms; four more queue behind them and leave unsent at 250 ms.
+		var alone error
+		var wg sync.WaitGroup
+		wg.Go(func() { alone = do("a", 100*time.Millisecond) })
+		time.Sleep(10 * time.Millisecond)
+		sent := make([]error, 5)
+		for i := range sent {
+			wg.Go(func() { sent[i] = do("k"+strconv.Itoa(i), 300*time.Millisecond) })
+		}
+		time.Sleep(140 * time.Millisecond)
+		unsent := make([]error, 4)
+		for i := range unsent {
+			wg.Go(func() { unsent[i] = do("u"+strconv.Itoa(i), 250*time.Millisecond) })
+		}
+		wg.Wait()
+		if !errors.Is(alone, ErrUnanswered) || !ClaimTrip(alone) {
+			t.Errorf("a call sent alone: %v, claimed %v; want ErrUnanswered, claimed", alone, ClaimTrip(alone))
+		}
+		for _, tc := range []struct {
+			what string
+			errs []error
+			want error
+		}{{"sent together", sent, ErrUnanswered}, {"left unsent together", unsent, context.DeadlineExceeded}} {
+			claimed := 0
+			for i, err := range tc.errs {
+				if !errors.Is(err, tc.want) || tc.want == context.DeadlineExceeded && errors.Is(err, ErrUnanswered) {
+					t.Errorf("%s: call %d: %v; want %v", tc.what, i, err, tc.want)
+				}
+				if ClaimTrip(err) {
+					claimed++
+				}
+			}
+			if claimed != 1 {
+				t.Errorf("%s: %d of %d calls claimed their trip; want 1", tc.what, claimed, len(tc.errs))
+			}
+		}
+	})
+}
