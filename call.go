@@ -80,14 +80,14 @@ const (
 func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Request) (remote.Result, outcome) {
 	budget := lim.budget(ctx)
 	if p == underProbe {
-		res, o, _, _ := lim.send(ctx, nd, nd.pipe, req, budget, false)
+		res, o, _, _ := lim.send(ctx, nd, nd.pipe, req, budget, false, false)
 		return res, o
 	}
 	if nd.cb.State() != breaker.StateClosed {
 		return remote.Result{}, down
 	}
 	if p == charging {
-		res, o, _, _ := lim.send(ctx, nd, nd.pipe, req, budget, false)
+		res, o, _, _ := lim.send(ctx, nd, nd.pipe, req, budget, false, false)
 		return res, o
 	}
 	ticket, ok := nd.cb.Allow()
@@ -98,7 +98,7 @@ func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Reque
 	if lim.cluster != nil {
 		start = time.Now()
 	}
-	res, o, verdict, movedTo := lim.send(ctx, nd, nd.pipe, req, budget, lim.cluster != nil)
+	res, o, verdict, movedTo := lim.send(ctx, nd, nd.pipe, req, budget, lim.cluster != nil, true)
 	ticket.Done(verdict)
 	if o != moved {
 		return res, o
@@ -135,7 +135,7 @@ func (lim *Limiter) call(ctx context.Context, nd *node, p pass, req remote.Reque
 	if ticket, ok = to.cb.Allow(); !ok {
 		return remote.Result{}, down
 	}
-	res, o, verdict, _ = lim.send(ctx, to, to.pipe, req, budget-time.Since(start), false)
+	res, o, verdict, _ = lim.send(ctx, to, to.pipe, req, budget-time.Since(start), false, true)
 	ticket.Done(verdict)
 	return res, o
 }
@@ -151,11 +151,12 @@ func (lim *Limiter) budget(ctx context.Context) time.Duration {
 }
 
 // send sends req through pipe, nd's, within budget and classifies what
-// came back; the caller holds nd's ticket, or sends under a probe's. With
+// came back; the caller holds nd's ticket (ticketed: the verdict returned
+// is the ticket's, see ticketVerdict), or sends under a probe's. With
 // watch, a call to a quiet Cluster node is watched for a failover this
 // instance has not seen (see watch). movedTo is the address of the master
 // a MOVED named, if the node answered with one.
-func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req remote.Request, budget time.Duration, watch bool) (_ remote.Result, _ outcome, _ breaker.Outcome, movedTo string) {
+func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req remote.Request, budget time.Duration, watch, ticketed bool) (_ remote.Result, _ outcome, _ breaker.Outcome, movedTo string) {
 	if budget <= 0 {
 		return remote.Result{}, callerGone, breaker.Excluded, ""
 	}
@@ -224,6 +225,7 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 		})
 	}
 	o, verdict := lim.classify(ctx, err, budget)
+	ticket := ticketVerdict(err, verdict, ticketed)
 	switch verdict {
 	case breaker.Failure:
 		// The prober probes the node on the last key that failed there.
@@ -252,23 +254,25 @@ func (lim *Limiter) send(ctx context.Context, nd *node, pipe *remote.Pipe, req r
 	if o == badValue {
 		lim.cfg.Logger.Error("hybridlimit: remote call failed", "key", req.Key, "err", err)
 	}
-	return res, o, verdict, ""
+	return res, o, ticket, ""
+}
+
+// ticketVerdict returns what a call's ticket is told of verdict, what
+// the call's error err says of its node. A failed round trip that carried
+// several calls, or a wait for the pipe that several left unsent, says it
+// once (remote.ClaimTrip): the first of them whose ticket is told a
+// failure takes it, the others are left out. A call without a ticket (a
+// charge), whose verdict no breaker is told, claims nothing.
+func ticketVerdict(err error, verdict breaker.Outcome, ticketed bool) breaker.Outcome {
+	if verdict == breaker.Failure && (!ticketed || !remote.ClaimTrip(err)) {
+		return breaker.Excluded
+	}
+	return verdict
 }
 
 // classify turns a call's error into its outcome and what it says of the
-// node. A failed round trip that carried several calls, or a wait for the
-// pipe that several left unsent, says it once (remote.ClaimTrip): the
-// first of them to count as a failure counts, the others are left out.
+// node.
 func (lim *Limiter) classify(ctx context.Context, err error, budget time.Duration) (outcome, breaker.Outcome) {
-	o, verdict := lim.judge(ctx, err, budget)
-	if verdict == breaker.Failure && !remote.ClaimTrip(err) {
-		verdict = breaker.Excluded
-	}
-	return o, verdict
-}
-
-// judge is classify of one call, as if it went alone.
-func (lim *Limiter) judge(ctx context.Context, err error, budget time.Duration) (outcome, breaker.Outcome) {
 	// A time-out says something of Redis only if the budget was long
 	// enough, and once the first contact (dialing, loading the scripts and
 	// the Cluster's layout, in the background from New) is over: a cold

@@ -162,13 +162,13 @@ func (lim *Limiter) probe(ctx context.Context, nd *node) {
 		}
 		pipe, req := lim.probePipe(nd), remote.Request{Key: p.key, Limit: lim.probeLimit(p), Charge: true}
 		budget := lim.budget(ctx)
-		_, o, verdict, _ := lim.send(ctx, nd, pipe, req, budget, false)
+		_, o, verdict, _ := lim.send(ctx, nd, pipe, req, budget, false, true)
 		// A probe takes nothing, so it may run twice: on a connection
 		// found broken, it goes again on the client's next one rather
 		// than leaving the breaker open for another open period per
 		// connection the client pooled before Redis came back.
 		for again := 0; o == broken && again < probeRetries && ctx.Err() == nil; again++ {
-			_, o, verdict, _ = lim.send(ctx, nd, pipe, req, budget, false)
+			_, o, verdict, _ = lim.send(ctx, nd, pipe, req, budget, false, true)
 		}
 		if verdict == breaker.Success && !lim.reconcile(ctx, nd) {
 			// The node stopped answering the charges sent after the

@@ -385,10 +385,11 @@ func TestColdStart(t *testing.T) {
 }
 
 // TestOneTripCountsOnce: the calls of one batch that Redis does not answer
-// count once against the node's breaker (remote.TestOneClaimPerTrip), and
-// a caller of the batch that cancelled, whose failure is its own and not
-// Redis's, does not take that one count from the others: the round trip
-// would then count for nothing.
+// count once against the node's breaker (remote.TestOneClaimPerTrip). A
+// caller of the batch that cancelled, whose failure is its own and not
+// Redis's, does not take that one count from the others, nor does a charge
+// sent in the batch, whose verdict no breaker is told: the round trip would
+// then count for nothing.
 func TestOneTripCountsOnce(t *testing.T) {
 	lim := newLimiter(t, Config{Redis: refused(t), Limit: PerSecond(10), Instances: 1, Heartbeat: -1})
 	bubble(t, func(t *testing.T) {
@@ -431,13 +432,21 @@ func TestOneTripCountsOnce(t *testing.T) {
 		failures := 0
 		for i, err := range errs {
 			o, verdict := lim.classify(ctxs[i], err, lim.cfg.Timeout)
-			if i == 0 {
+			switch i {
+			case 0:
 				if o != callerGone || verdict != breaker.Excluded {
 					t.Errorf("the cancelled caller's call (%v): %v, %v; want caller gone, excluded", err, o, verdict)
 				}
+			case 1:
+				if verdict != breaker.Failure {
+					t.Errorf("the charge (%v): %v; want a failure", err, verdict)
+				}
+				if v := ticketVerdict(err, verdict, false); v != breaker.Excluded {
+					t.Errorf("the charge (%v) tells a ticket %v; want excluded", err, v)
+				}
 				continue
 			}
-			switch verdict {
+			switch verdict = ticketVerdict(err, verdict, true); verdict {
 			case breaker.Failure:
 				failures++
 			case breaker.Excluded:
@@ -446,7 +455,7 @@ func TestOneTripCountsOnce(t *testing.T) {
 			}
 		}
 		if failures != 1 {
-			t.Errorf("one unanswered round trip of %d calls counted %d failures; want 1", len(errs), failures)
+			t.Errorf("one unanswered round trip of %d calls, %d of them decisions, counted %d failures; want 1", len(errs), len(errs)-2, failures)
 		}
 	})
 }

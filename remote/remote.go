@@ -754,7 +754,7 @@ func (p *Pipe) run(batch []*call, f *flight) {
 	live := 0
 	for _, c := range batch {
 		if err := c.ctx.Err(); err != nil {
-			c.res, c.err = Result{}, err
+			c.res, c.err = Result{}, p.stalled().wrap(err) // left unsent, as in await
 			continue
 		}
 		if len(batch) > 1 {
