@@ -1124,14 +1124,15 @@ func (lim *Limiter) sweep() {
 // Close stops the limiter's goroutines and waits for them to return;
 // decisions after Close return ErrClosed. A decision in flight may still
 // finish, and Close waits for Redis calls already sent, which the client's
-// own time-outs bound. With a client that bounds no read (ReadTimeout -1
-// without ContextTimeoutEnabled, or -2 in any case) it does not wait for
-// those calls:
-// the goroutines that sent them return when Redis answers or the client is
-// closed. Before it stops them, it charges Redis, within one Timeout, with
-// what this instance spent locally and still owes, where the key's breaker
-// is closed. Close leaves the Redis client open. It is idempotent and
-// always returns nil.
+// own time-outs bound (on a client with ContextTimeoutEnabled, the calls'
+// budgets, and up to a second more after a budget cut a read short: the
+// connection is being opened again). With a client that bounds no read
+// (ReadTimeout -1 without ContextTimeoutEnabled, or -2 in any case) it
+// does not wait for those calls: the goroutines that sent them return when
+// Redis answers or the client is closed. Before it stops them, it charges
+// Redis, within one Timeout, with what this instance spent locally and
+// still owes, where the key's breaker is closed. Close leaves the Redis
+// client open. It is idempotent and always returns nil.
 func (lim *Limiter) Close() error {
 	lim.once.Do(func() {
 		lim.mu.Lock()

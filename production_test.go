@@ -384,6 +384,53 @@ func TestColdStart(t *testing.T) {
 	})
 }
 
+// TestReconnectsOffTheDecisions: every reply 20 ms late, a budget of 50 ms,
+// and every connection reset (a restart, a failover, a proxy's idle
+// reset). A call that must open its connection pays the dial, go-redis's
+// handshake and itself: three round trips and more, past its budget. A
+// client with ContextTimeoutEnabled then closes the connection at the
+// deadline, so each decision and each probe lost the connection it had
+// opened, and the breaker never closed again: 0 remote decisions in the
+// five seconds after the reset. The connections are opened again in the
+// background, where they get the time they take.
+func TestReconnectsOffTheDecisions(t *testing.T) {
+	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
+		t.Cleanup(func() { time.Sleep(30 * time.Second) }) // go-redis's dial back-offs, last
+		sim, link := simredis.New(), simnet.NewLink()
+		t.Cleanup(sim.Close)
+		link.SetLatency(20 * time.Millisecond)
+		c := redis.NewClient(&redis.Options{Addr: "10.0.0.1:6379", ContextTimeoutEnabled: ctxTimeout,
+			Dialer: link.Dialer(func(c net.Conn) { sim.Serve(c, 0) })})
+		t.Cleanup(func() { c.Close() })
+		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Instances: 1, Heartbeat: -1})
+		time.Sleep(2 * time.Second) // the first contact is over
+		second := func() (remoteN, all int) {
+			for end := time.Now().Add(time.Second); time.Now().Before(end); all++ {
+				d, err := lim.Allow(context.Background(), "k")
+				if err != nil {
+					t.Fatalf("Allow = %v; want a decision", err)
+				}
+				if d.Mode == ModeRemote {
+					remoteN++
+				} else {
+					time.Sleep(time.Millisecond)
+				}
+			}
+			return remoteN, all
+		}
+		if r, all := second(); r != all {
+			t.Fatalf("before the reset: %d of %d decisions by Redis; want all", r, all)
+		}
+		link.Reset()
+		second() // the connections are opened again
+		for s := 2; s <= 3; s++ {
+			if r, all := second(); r != all {
+				t.Errorf("second %d after the reset: %d of %d decisions by Redis (breakers %v); want all", s, r, all, lim.Stats().Breakers)
+			}
+		}
+	})
+}
+
 // TestOneTripCountsOnce: the calls of one batch that Redis does not answer
 // count once against the node's breaker (remote.TestOneClaimPerTrip). A
 // caller of the batch that cancelled, whose failure is its own and not

@@ -10,7 +10,8 @@
 // time-outs, whatever the client's options say. (On a client with
 // ContextTimeoutEnabled a lone call runs on its caller's goroutine, where
 // a cancellation before the deadline does not stop go-redis's read: see
-// Request.Cancelable.)
+// Request.Cancelable; except while the pipe opens again connections that
+// deadlines cut short: see reconnect.)
 package remote
 
 import (
@@ -104,6 +105,8 @@ type Pipe struct {
 	// several at once).
 	pool sync.Pool
 
+	// reconnecting is set while reconnect opens connections.
+	reconnecting atomic.Bool
 	// stall is what the calls that leave unsent share until a slot is
 	// freed: one wait for a slot (ClaimTrip); nil until one leaves.
 	stall atomic.Pointer[trip]
@@ -140,6 +143,9 @@ type call struct {
 	one   [1]*call
 	own   flight
 	alone *flight
+	// onCaller: sent from its caller's goroutine, which returns when
+	// go-redis does.
+	onCaller bool
 	// trip is the round trip of the batch the call went out in, set
 	// before sent; nil for a call sent alone.
 	trip *trip
@@ -215,8 +221,9 @@ func (c *call) abandon() {
 // fewer than inflight batches (DefaultInFlight if inflight < 1) are in
 // flight, and sends each batch from a goroutine of its own. A call alone on
 // an idle pipe is sent from its caller's goroutine if c bounds its reads by
-// the context's deadline (ContextTimeoutEnabled) and the call is not
-// Cancelable; otherwise it goes to a sender goroutine, which then waits for
+// the context's deadline (ContextTimeoutEnabled), the call is not
+// Cancelable and the pipe is not opening its connections again
+// (reconnect); otherwise it goes to a sender goroutine, which then waits for
 // the next such call; at most one sender waits. A batch counts as in flight
 // until it is answered or every caller in it has given up: a batch stuck on
 // a hung connection, which go-redis may wait on for its whole ReadTimeout,
@@ -468,7 +475,8 @@ func (p *Pipe) doCall(c *call) (res Result, answered bool, err error) {
 				return Result{}, true, ErrClosed
 			}
 			c.one[0] = c
-			if p.inline && !c.cancelable {
+			if p.inline && !c.cancelable && !p.reconnecting.Load() {
+				c.onCaller = true
 				p.send(c.one[:], &c.own)
 				<-c.ready
 				return c.res, true, c.err
@@ -534,8 +542,10 @@ func (p *Pipe) enter() bool {
 }
 
 // Close stops the dispatcher and waits for it and for every batch in
-// flight: the client's own time-outs bound them. Calls still queued get
-// ErrClosed. Close is idempotent.
+// flight: the client's own time-outs bound them, or for a client that
+// bounds its reads by the context, the calls' deadlines (connectFor later
+// while reconnect runs, see linger). Calls still queued get ErrClosed.
+// Close is idempotent.
 //
 // A client that bounds its reads by nothing (see readsUnbounded) would
 // hold Close for as long as Redis hangs: Close then waits only until no
@@ -738,7 +748,7 @@ func lastDeadline(batch []*call) (deadline time.Time, ok bool) {
 // run sends one batch, lands f, then answers every call in it. Landing
 // comes first: once answered, a call (and the flight in it) may be reused.
 func (p *Pipe) run(batch []*call, f *flight) {
-	answered := false
+	answered, cut := false, false
 	key := batch[0].key
 	defer func() {
 		p.land(f)
@@ -747,6 +757,9 @@ func (p *Pipe) run(batch []*call, f *flight) {
 		}
 		if answered {
 			p.tend(key)
+		}
+		if cut && p.inline {
+			p.reconnect(key)
 		}
 	}()
 	// Drop what nobody waits for any more: sending it would spend tokens
@@ -770,12 +783,20 @@ func (p *Pipe) run(batch []*call, f *flight) {
 		// The caller's own context: a client with ContextTimeoutEnabled
 		// stops reading at its deadline.
 		c := batch[0]
+		ctx := c.ctx
+		if p.inline && !c.onCaller && p.reconnecting.Load() {
+			if deadline, ok := ctx.Deadline(); ok {
+				var stop func()
+				ctx, stop = p.linger(ctx, deadline)
+				defer stop()
+			}
+		}
 		var cmds [1]noRetryCmd
-		p.node.exchange(c.ctx, p.c, c.key, cmds[:], zero[:], func(_ int, v verb, now int64) noRetryCmd {
-			return p.evalCmd(c.ctx, v, now, c)
+		p.node.exchange(ctx, p.c, c.key, cmds[:], zero[:], func(_ int, v verb, now int64) noRetryCmd {
+			return p.evalCmd(ctx, v, now, c)
 		})
 		c.result(cmds[0], cmds[0].Err())
-		answered = c.err == nil
+		answered, cut = c.err == nil, isTimeout(cmds[0].Err())
 		return
 	}
 
@@ -783,6 +804,10 @@ func (p *Pipe) run(batch []*call, f *flight) {
 	// deadline.
 	ctx := context.Background()
 	if deadline, ok := lastDeadline(batch); ok {
+		if p.inline && p.reconnecting.Load() {
+			// As linger: the callers leave at their deadlines.
+			ctx, deadline = p.ctx, deadline.Add(connectFor)
+		}
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()
@@ -812,6 +837,7 @@ func (p *Pipe) run(batch []*call, f *flight) {
 			if err != nil && !isReply(err) {
 				c.err = c.trip.wrap(c.err)
 			}
+			cut = cut || isTimeout(err)
 			answered = answered || c.err == nil
 		}
 	}
@@ -845,6 +871,59 @@ func (p *Pipe) tend(key string) {
 	}()
 }
 
+// connectFor bounds reconnect's work.
+const connectFor = time.Second
+
+// reconnect opens again, in the background and one round at a time, the
+// connections that a call to key's node may just have lost. A client that
+// bounds its reads by the context closes a connection whose read the
+// deadline cut short, and the next call on the node that finds no idle one
+// dials its own inside its budget: the dial, go-redis's handshake (HELLO,
+// and TLS's) and the call are three round trips or more. A budget shorter
+// than that (a Redis far away, a caller's short deadline) loses that
+// connection too, and the next, call after call: the node answers every
+// PING and never a call in time, and its breaker, once open, never closes,
+// as each probe dials too. Off the calls' path, the connections get the
+// time they take, and the calls find them in the pool. Any deadline of a
+// call that was sent starts a round: go-redis tells a handshake cut short
+// by the context's error, as it tells a wait for a pool turn that lost
+// nothing (the round then only pings).
+func (p *Pipe) reconnect(key string) {
+	if !p.reconnecting.CompareAndSwap(false, true) {
+		return
+	}
+	if !p.enter() {
+		p.reconnecting.Store(false)
+		return
+	}
+	go func() {
+		defer p.wg.Done()
+		defer p.reconnecting.Store(false)
+		ctx, cancel := context.WithTimeout(p.ctx, connectFor)
+		defer cancel()
+		var c redis.Cmdable = p.c
+		if cc, ok := p.c.(*redis.ClusterClient); ok {
+			// The key's master, not any node the client would pick.
+			m, err := cc.MasterForKey(ctx, key)
+			if err != nil {
+				return
+			}
+			c = m
+		}
+		// As many PINGs at once as the pipe keeps calls busy, each on a
+		// connection of the pool's (idle, or dialed for it), which goes
+		// back to the pool at its answer: the calls need them. Not
+		// through connections of their own (c.Conn(), as Ping does): a
+		// handshake refused there records what go-redis learned under
+		// another lock than the one a decision's handshake takes.
+		var wg sync.WaitGroup
+		for range cap(p.slots) {
+			wg.Go(func() { _ = c.Ping(ctx).Err() })
+		}
+		wg.Wait()
+	}()
+}
+
 // result records cmd's outcome, err, as c's answer, for run to deliver.
 func (c *call) result(cmd noRetryCmd, err error) {
 	switch {
@@ -856,6 +935,28 @@ func (c *call) result(cmd noRetryCmd, err error) {
 		c.res, c.err = Result{}, err
 	default:
 		c.res, c.err = parseReply(cmd.Val(), c.lim, c.cost, c.mode)
+	}
+}
+
+// linger returns the context a call sent from one of p's goroutines goes
+// out with while reconnect runs: ctx's values, and ctx's cancellation by
+// its caller or by Close, but a deadline connectFor later than ctx's own.
+// The call's caller still leaves at its deadline (await); the connection
+// the call may be opening finishes its handshake meanwhile, rather than
+// being closed half-way by the deadline, and goes back to the pool for
+// the next call. stop releases what linger made.
+func (p *Pipe) linger(ctx context.Context, deadline time.Time) (_ context.Context, stop func()) {
+	wire, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline.Add(connectFor))
+	byCaller := context.AfterFunc(ctx, func() {
+		if errors.Is(ctx.Err(), context.Canceled) {
+			cancel()
+		}
+	})
+	byClose := context.AfterFunc(p.ctx, cancel)
+	return wire, func() {
+		byCaller()
+		byClose()
+		cancel()
 	}
 }
 
