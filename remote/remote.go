@@ -783,14 +783,10 @@ func (p *Pipe) run(batch []*call, f *flight) {
 		// The caller's own context: a client with ContextTimeoutEnabled
 		// stops reading at its deadline.
 		c := batch[0]
-		ctx := c.ctx
-		if p.inline && !c.onCaller && p.reconnecting.Load() {
-			if deadline, ok := ctx.Deadline(); ok {
-				var stop func()
-				ctx, stop = p.linger(ctx, deadline)
-				defer stop()
-			}
-		}
+		// Assigned once, so that the closure below copies it rather than
+		// moving it to the heap.
+		ctx, stop := p.wire(c)
+		defer stop()
 		var cmds [1]noRetryCmd
 		p.node.exchange(ctx, p.c, c.key, cmds[:], zero[:], func(_ int, v verb, now int64) noRetryCmd {
 			return p.evalCmd(ctx, v, now, c)
@@ -938,6 +934,21 @@ func (c *call) result(cmd noRetryCmd, err error) {
 	}
 }
 
+// wire returns the context c, a call sent alone, goes out with: its own,
+// or linger's while reconnect runs and c was not sent from its caller's
+// goroutine. stop releases it.
+func (p *Pipe) wire(c *call) (_ context.Context, stop func()) {
+	if p.inline && !c.onCaller && p.reconnecting.Load() {
+		if deadline, ok := c.ctx.Deadline(); ok {
+			return p.linger(c.ctx, deadline)
+		}
+	}
+	return c.ctx, nothing
+}
+
+// nothing is a stop function with nothing to stop.
+func nothing() {}
+
 // linger returns the context a call sent from one of p's goroutines goes
 // out with while reconnect runs: ctx's values, and ctx's cancellation by
 // its caller or by Close, but a deadline connectFor later than ctx's own.
@@ -962,6 +973,9 @@ func (p *Pipe) linger(ctx context.Context, deadline time.Time) (_ context.Contex
 
 // isTimeout reports whether err is a deadline: the context's, or a socket's.
 func isTimeout(err error) bool {
+	if err == nil {
+		return false // before ne, which escapes: every answered call asks
+	}
 	var ne net.Error
 	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded) ||
 		errors.As(err, &ne) && ne.Timeout()
