@@ -606,16 +606,7 @@ func TestInline(t *testing.T) {
 // it, returns at the cancellation. The server reads and never answers.
 func TestInlineCancelable(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		link := simnet.NewLink()
-		c := redis.NewClient(&redis.Options{
-			Addr: "10.0.0.1:6379", ContextTimeoutEnabled: true,
-			Dialer: func(context.Context, string, string) (net.Conn, error) {
-				return link.Dial(func(c net.Conn) { go io.Copy(io.Discard, c) })
-			},
-		})
-		defer c.Close()
-		p := NewPipe(c, 1, nil)
-		defer p.Close()
+		p := silentPipe(t, true)
 		lim := mustLimit(t, 10, 10)
 		for _, cancelable := range []bool{false, true} {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
@@ -943,16 +934,7 @@ func TestPingOpensConns(t *testing.T) {
 // server reads and never answers.
 func TestOneClaimPerTrip(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		link := simnet.NewLink()
-		c := redis.NewClient(&redis.Options{
-			Addr: "10.0.0.1:6379",
-			Dialer: func(context.Context, string, string) (net.Conn, error) {
-				return link.Dial(func(c net.Conn) { go io.Copy(io.Discard, c) })
-			},
-		})
-		defer c.Close()
-		p := NewPipe(c, 1, nil)
-		defer p.Close()
+		p := silentPipe(t, false)
 		lim := mustLimit(t, 10, 10)
 		start := time.Now()
 		do := func(key string, deadline time.Duration) error {
@@ -998,4 +980,21 @@ func TestOneClaimPerTrip(t *testing.T) {
 			}
 		}
 	})
+}
+
+// silentPipe returns, inside a bubble, a Pipe of one slot on a client
+// (with ContextTimeoutEnabled if ctxTimeout) of a server that reads and
+// never answers; t.Cleanup closes both.
+func silentPipe(t *testing.T, ctxTimeout bool) *Pipe {
+	link := simnet.NewLink()
+	c := redis.NewClient(&redis.Options{
+		Addr: "10.0.0.1:6379", ContextTimeoutEnabled: ctxTimeout,
+		Dialer: func(context.Context, string, string) (net.Conn, error) {
+			return link.Dial(func(c net.Conn) { go io.Copy(io.Discard, c) })
+		},
+	})
+	t.Cleanup(func() { c.Close() })
+	p := NewPipe(c, 1, nil)
+	t.Cleanup(p.Close)
+	return p
 }
