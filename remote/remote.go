@@ -851,19 +851,32 @@ const checkFor = time.Second
 // TIME. key names the node for a Cluster.
 func (p *Pipe) tend(key string) {
 	n := p.node
-	if !n.needsTending() || !n.busy.CompareAndSwap(false, true) {
+	if !n.needsTending() {
+		return
+	}
+	p.background(&n.busy, checkFor, func(ctx context.Context) {
+		n.tendNow(ctx, nodeClient(ctx, p.c, key))
+	})
+}
+
+// background runs f on a goroutine of its own, with a context that Close
+// cancels and that ends within bound, unless busy says one like it runs
+// already or Close has begun; busy is set while f runs, and Close waits
+// for it.
+func (p *Pipe) background(busy *atomic.Bool, bound time.Duration, f func(context.Context)) {
+	if !busy.CompareAndSwap(false, true) {
 		return
 	}
 	if !p.enter() {
-		n.busy.Store(false)
+		busy.Store(false)
 		return
 	}
 	go func() {
 		defer p.wg.Done()
-		defer n.busy.Store(false)
-		ctx, cancel := context.WithTimeout(p.ctx, checkFor)
+		defer busy.Store(false)
+		ctx, cancel := context.WithTimeout(p.ctx, bound)
 		defer cancel()
-		n.tendNow(ctx, nodeClient(ctx, p.c, key))
+		f(ctx)
 	}()
 }
 
@@ -885,18 +898,7 @@ const connectFor = time.Second
 // by the context's error, as it tells a wait for a pool turn that lost
 // nothing (the round then only pings).
 func (p *Pipe) reconnect(key string) {
-	if !p.reconnecting.CompareAndSwap(false, true) {
-		return
-	}
-	if !p.enter() {
-		p.reconnecting.Store(false)
-		return
-	}
-	go func() {
-		defer p.wg.Done()
-		defer p.reconnecting.Store(false)
-		ctx, cancel := context.WithTimeout(p.ctx, connectFor)
-		defer cancel()
+	p.background(&p.reconnecting, connectFor, func(ctx context.Context) {
 		var c redis.Cmdable = p.c
 		if cc, ok := p.c.(*redis.ClusterClient); ok {
 			// The key's master, not any node the client would pick.
@@ -917,7 +919,7 @@ func (p *Pipe) reconnect(key string) {
 			wg.Go(func() { _ = c.Ping(ctx).Err() })
 		}
 		wg.Wait()
-	}()
+	})
 }
 
 // result records cmd's outcome, err, as c's answer, for run to deliver.
