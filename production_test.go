@@ -403,32 +403,55 @@ func TestReconnectsOffTheDecisions(t *testing.T) {
 			Dialer: link.Dialer(func(c net.Conn) { sim.Serve(c, 0) })})
 		t.Cleanup(func() { c.Close() })
 		lim := newLimiter(t, Config{Redis: c, Limit: PerSecond(1e6), Instances: 1, Heartbeat: -1})
-		time.Sleep(2 * time.Second) // the first contact is over
-		second := func() (remoteN, all int) {
-			for end := time.Now().Add(time.Second); time.Now().Before(end); all++ {
-				d, err := lim.Allow(context.Background(), "k")
-				if err != nil {
-					t.Fatalf("Allow = %v; want a decision", err)
-				}
-				if d.Mode == ModeRemote {
-					remoteN++
-				} else {
-					time.Sleep(time.Millisecond)
-				}
-			}
-			return remoteN, all
-		}
-		if r, all := second(); r != all {
-			t.Fatalf("before the reset: %d of %d decisions by Redis; want all", r, all)
-		}
-		link.Reset()
-		second() // the connections are opened again
-		for s := 2; s <= 3; s++ {
-			if r, all := second(); r != all {
-				t.Errorf("second %d after the reset: %d of %d decisions by Redis (breakers %v); want all", s, r, all, lim.Stats().Breakers)
-			}
-		}
+		reconnectsAfterReset(t, lim, []*simnet.Link{link})
 	})
+}
+
+// TestReconnectsOffTheDecisionsOnCluster is TestReconnectsOffTheDecisions
+// on a Cluster: the connections a reset broke are those of the key's
+// master, which a ClusterClient pools apart from the other nodes'.
+func TestReconnectsOffTheDecisionsOnCluster(t *testing.T) {
+	clientKinds(t, func(t *testing.T, ctxTimeout bool) {
+		_, links, lim := onSimCluster(t, Config{Limit: PerSecond(1e6), Instances: 1, Heartbeat: -1}, ctxTimeout)
+		for _, l := range links {
+			l.SetLatency(20 * time.Millisecond)
+		}
+		reconnectsAfterReset(t, lim, links)
+	})
+}
+
+// reconnectsAfterReset checks that every decision of lim in a second is
+// Redis's, then resets every connection of links (each 20 ms from Redis,
+// against lim's 50 ms budget), and checks that every decision of the
+// second and third seconds after the reset is Redis's again.
+func reconnectsAfterReset(t *testing.T, lim *Limiter, links []*simnet.Link) {
+	time.Sleep(2 * time.Second) // the first contact is over
+	second := func() (remoteN, all int) {
+		for end := time.Now().Add(time.Second); time.Now().Before(end); all++ {
+			d, err := lim.Allow(context.Background(), "k")
+			if err != nil {
+				t.Fatalf("Allow = %v; want a decision", err)
+			}
+			if d.Mode == ModeRemote {
+				remoteN++
+			} else {
+				time.Sleep(time.Millisecond)
+			}
+		}
+		return remoteN, all
+	}
+	if r, all := second(); r != all {
+		t.Fatalf("before the reset: %d of %d decisions by Redis; want all", r, all)
+	}
+	for _, l := range links {
+		l.Reset()
+	}
+	second() // the connections are opened again
+	for s := 2; s <= 3; s++ {
+		if r, all := second(); r != all {
+			t.Errorf("second %d after the reset: %d of %d decisions by Redis (breakers %v); want all", s, r, all, lim.Stats().Breakers)
+		}
+	}
 }
 
 // TestOneTripCountsOnce: the calls of one batch that Redis does not answer
