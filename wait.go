@@ -130,6 +130,9 @@ func (lim *Limiter) WaitN(ctx context.Context, key string, n int64) error {
 				}
 				return err
 			}
+			// Admitted on tokens Redis took already: a local share in use
+			// meanwhile must not grant their refill again.
+			lim.shares.Woke(lim.cfg.now(), key, int(n))
 			return nil
 		}
 		// RetryAfter is when the bucket holds n tokens: no sooner can

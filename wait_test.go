@@ -306,3 +306,61 @@ func TestWaitGiveBackAfterLoweredLimit(t *testing.T) {
 		}
 	})
 }
+// TestWaitQueueThroughAnOutage: 60 workers queue on a key of 10/s (burst
+// 10) with WaitN, the last of them due 5 s on, and then Redis hangs for
+// 3 s while callers of Allow keep coming on the same key. The waiters are
+// admitted on their schedule, Redis or not: the tokens are theirs. The
+// local share must start from the debt their reservations left in Redis's
+// bucket, not from an empty bucket, or it admits its rate on top of them.
+func TestWaitQueueThroughAnOutage(t *testing.T) {
+	bubble(t, func(t *testing.T) {
+		const rate, burst = 10, 10
+		r, lim := waitLimiter(t, Config{Limit: Limit{Rate: rate, Burst: burst}, Heartbeat: -1, Instances: 1})
+		ctx := context.Background()
+		u := &uses{start: time.Now()}
+		var wg sync.WaitGroup
+		for range 60 {
+			wg.Go(func() {
+				if err := lim.Wait(ctx, "k"); err != nil {
+					t.Errorf("Wait = %v", err)
+					return
+				}
+				u.add()
+			})
+			time.Sleep(time.Millisecond) // in order
+		}
+		time.Sleep(400 * time.Millisecond)
+		r.link.Hang()
+		hungAt := time.Since(u.start)
+		stop := make(chan struct{})
+		var local atomic.Int64
+		wg.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				case <-time.After(20 * time.Millisecond):
+				}
+				if d, err := lim.Allow(ctx, "k"); err != nil {
+					t.Errorf("Allow = %v", err)
+				} else if d.Allowed {
+					if d.Mode == ModeLocal {
+						local.Add(1)
+					}
+					u.add()
+				}
+			}
+		})
+		time.Sleep(3 * time.Second)
+		close(stop)
+		r.link.Resume()
+		wg.Wait()
+		// The 3 s of the hang, from its start: the bucket was empty, and
+		// refills 30 tokens in them.
+		got := u.in(hungAt, hungAt+3*time.Second)
+		t.Logf("admitted in the 3 s of the hang: %d (%d of them locally by Allow)", got, local.Load())
+		if bound := rate*3 + 1; got > bound {
+			t.Errorf("%d admitted in the 3 s of the hang, the waiters' and the local share's; want at most the refill of 3 s (%d)", got, bound)
+		}
+	})
+}

@@ -116,6 +116,11 @@ type bucket struct {
 	r     rate.Limit
 	burst int
 	// seed is what lim held at seedAt when it was created, for Drain.
+	// While lim is nil it is instead what Woke recorded: the tokens of
+	// this instance's waiters admitted on Redis's reservations since
+	// Redis last spoke of the key, which a bucket started from what Redis
+	// said starts without (a field of its own would take every bucket to
+	// the next size class).
 	seed   float64
 	seedAt mono
 	// owed is spending that Drain reported and Redis has not confirmed
@@ -261,20 +266,53 @@ func (s *Shares) AllowN(now time.Time, key string, r rate.Limit, burst int, capa
 }
 
 // newLimiter returns a limiter of rate r and burst that holds tokens at
-// time at, clamped to [0, burst]. x/time/rate has no setter for tokens
-// (golang/go#68677), so it takes the whole tokens above the level from a
-// full limiter; to keep a fraction of a token, it takes them slightly
-// before at, so that the fraction has refilled by at.
+// time at, at most burst, and below zero if tokens is (a debt: the bucket
+// refills it before it grants a token). x/time/rate has no setter for
+// tokens (golang/go#68677), so it takes the whole tokens above the level
+// from a full limiter; to keep a fraction of a token, it takes them
+// slightly before at, so that the fraction has refilled by at.
 func newLimiter(at time.Time, r rate.Limit, burst int, tokens float64) *rate.Limiter {
-	tokens = clamp(tokens, burst)
+	tokens = level(tokens, burst)
 	lim := rate.NewLimiter(r, burst)
 	take := math.Ceil(float64(burst) - tokens)
 	t := at
 	if d := wait(take-(float64(burst)-tokens), r); d > 0 && d < rate.InfDuration {
 		t = at.Add(-d)
 	}
-	lim.AllowN(t, int(take))
+	debit(lim, t, take, burst)
 	return lim
+}
+
+// debit takes n whole tokens from lim, of burst burst, at time at, below
+// zero if it holds fewer. x/time/rate reserves at most a burst at once, so
+// a take beyond it goes through a burst raised for the take. A zero rate
+// never refills a debt, so lim then takes only what it holds.
+func debit(lim *rate.Limiter, at time.Time, n float64, burst int) {
+	switch {
+	case n <= 0:
+	case n <= float64(burst):
+		lim.ReserveN(at, int(n))
+	case lim.Limit() > 0:
+		lim.SetBurstAt(at, int(n))
+		lim.ReserveN(at, int(n))
+		lim.SetBurstAt(at, burst)
+	default:
+		lim.AllowN(at, burst)
+	}
+}
+
+// maxDebt bounds how far below zero a local bucket starts, in tokens: far
+// beyond what waiters reserve, and within what the arithmetic of
+// x/time/rate holds exactly.
+const maxDebt = 1 << 40
+
+// level returns tokens as a bucket of burst starts from: at most burst, at
+// least -maxDebt, and 0 if NaN.
+func level(tokens float64, burst int) float64 {
+	if tokens != tokens {
+		return 0
+	}
+	return math.Max(math.Min(tokens, float64(burst)), -maxDebt)
 }
 
 // Observe records what Redis said of key: its bucket of the given burst,
@@ -303,8 +341,55 @@ func (s *Shares) Observe(at time.Time, redisTime int64, key string, tokens, rate
 func (s *Shares) record(b *bucket, at time.Time, redisTime int64, tokens, rate, burst float64) {
 	if redisTime >= b.order || b.order-redisTime > 1e6 {
 		b.tokens, b.rate, b.size, b.seen, b.order = tokens, rate, burst, s.mono(at), redisTime
+		if b.lim == nil {
+			b.seed = 0 // Woke's: in what Redis said, which reserved them
+		}
 	}
 }
+
+// Woke records that a waiter of this instance was admitted at now on n
+// tokens of key that Redis reserved for it earlier. Redis took them when
+// it granted the reservation, and the waiter is admitted on its schedule
+// whether Redis is there or not; while this instance decides key locally,
+// its share must not grant that refill again. So the tokens come out of
+// key's local bucket if one is in use (below zero if it holds fewer:
+// refused until the refill has paid them), or out of the one that starts
+// from what Redis said before, if that is where the next local decision
+// starts; they are not spending to charge Redis with. Reservations of
+// other instances do not come out of this one's share: what the fleet
+// admits locally beside waiters is at most the shares of the instances
+// that have none.
+func (s *Shares) Woke(now time.Time, key string, n int) {
+	if n <= 0 {
+		return
+	}
+	sh := s.shard(key)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	b := sh.m[key]
+	switch {
+	case b == nil:
+		// Evicted: what Redis said is gone, and a bucket starts full
+		// anyway.
+	case b.lim != nil && !b.stale():
+		b.owed += s.spent(b, now)
+		debit(b.lim, now, float64(n), b.burst)
+		b.seed, b.seedAt = b.lim.TokensAt(now), s.mono(now)
+	default:
+		if b.lim != nil {
+			// Redis spoke since the bucket started, and the next local
+			// decision starts one again from that: as AllowN does then.
+			b.owed += s.spent(b, now)
+			b.lim, b.seed = nil, 0
+		}
+		b.seed += float64(n)
+	}
+}
+
+// stale reports whether Redis said something of b's key after its local
+// bucket started: the next local decision starts one again from that.
+// stale requires that the shard's mu is held.
+func (b *bucket) stale() bool { return b.seen != 0 && b.seen > b.seedAt }
 
 // Count records the answer to one of this instance's calls on key for its
 // part of the key's consumption: see remote.Part.Add, whose arguments
@@ -651,12 +736,12 @@ func (s *Shares) get(now time.Time, key string, r rate.Limit, burst int, capacit
 	if b == nil {
 		b = sh.entry(now, key, false)
 	}
-	if b.lim != nil && b.seen != 0 && b.seen > b.seedAt {
+	if b.lim != nil && b.stale() {
 		// Redis said something newer than what the bucket started from:
 		// start again from that, keeping as owed what this bucket spent
 		// that no Drain has reported yet.
 		b.owed += s.spent(b, now)
-		b.lim = nil
+		b.lim, b.seed = nil, 0
 	}
 	if b.lim == nil {
 		b.seed, b.seedAt = s.start(b, now, burst, capacity, b.owed)

@@ -944,3 +944,75 @@ func TestPartOfAFractionalShare(t *testing.T) {
 		t.Errorf("Redis at 4/5 of its burst, capacity 1.67, burst 1: denied (RetryAfter %v); want 1 token", res.RetryAfter)
 	}
 }
+
+// TestWoke: tokens this instance's waiters were admitted on, which Redis
+// reserved for them, come out of the key's local share (below zero if it
+// holds fewer) and are not spending to charge Redis with; with no local
+// bucket in use they come off the one the next local decision starts from
+// what Redis said, and what Redis says after them already holds them.
+func TestWoke(t *testing.T) {
+	r := rate.Limit(10)
+	drained := func(s *Shares, at time.Time) float64 {
+		var spent float64
+		s.Drain(at, nil, func(_ string, sp float64, _ Entry) { spent += sp })
+		return spent
+	}
+
+	// A bucket in use: 10 held, a waiter admitted on 15, then 1 s of
+	// refill (10) leaves 5: the Allow callers get 5, and Drain reports
+	// those 5 and not the waiter's 15.
+	s := New(1000)
+	s.Observe(t0, 1, "k", 10, 10, 10)
+	if res := s.AllowN(t0, "k", r, 10, 10.0, 0); res.Remaining != 10 {
+		t.Fatalf("the bucket starts with %d; want 10", res.Remaining)
+	}
+	s.Woke(t0, "k", 15)
+	if res := s.AllowN(t0.Add(400*ms), "k", r, 10, 10.0, 1); res.Allowed {
+		t.Errorf("AllowN at -1 tokens = %+v; want denied, the waiter's debt not paid yet", res)
+	}
+	at := t0.Add(time.Second)
+	if res := s.AllowN(at, "k", r, 10, 10.0, 5); !res.Allowed || res.Remaining != 0 {
+		t.Errorf("AllowN(5) once the refill paid the debt = %+v; want allowed, 0 left", res)
+	}
+	if spent := drained(s, at); math.Abs(spent-5) > 1e-9 {
+		t.Errorf("Drain = %v; want 5, the Allow callers' alone", spent)
+	}
+
+	// No bucket in use: the next local bucket starts from what Redis
+	// said (4), less the waiters' 6, refilled since.
+	s = New(1000)
+	s.Observe(t0, 1, "k", 4, 10, 10)
+	s.Woke(t0.Add(100*ms), "k", 6)
+	if res := s.AllowN(t0.Add(200*ms), "k", r, 10, 10.0, 1); res.Allowed {
+		t.Errorf("AllowN at 4-6+2 = 0 tokens = %+v; want denied", res)
+	}
+	if res := s.AllowN(t0.Add(300*ms), "k", r, 10, 10.0, 1); !res.Allowed {
+		t.Errorf("AllowN at 1 token = %+v; want allowed", res)
+	}
+	if spent := drained(s, t0.Add(300*ms)); math.Abs(spent-1) > 1e-9 {
+		t.Errorf("Drain = %v; want 1", spent)
+	}
+
+	// Redis spoke after the waiters woke: its word holds them.
+	s = New(1000)
+	s.Observe(t0, 1, "k", 4, 10, 10)
+	s.Woke(t0.Add(100*ms), "k", 6)
+	s.Observe(t0.Add(200*ms), 2, "k", 0, 10, 10)
+	if res := s.AllowN(t0.Add(300*ms), "k", r, 10, 10.0, 1); !res.Allowed {
+		t.Errorf("AllowN at 0+1 tokens after Redis spoke again = %+v; want allowed", res)
+	}
+
+	// A stale bucket (Redis spoke since it started) is started again from
+	// Redis's word, less the waiters', keeping what it spent as owed.
+	s = New(1000)
+	s.Observe(t0, 1, "k", 10, 10, 10)
+	s.AllowN(t0, "k", r, 10, 10.0, 3)            // spends 3, 2 by the time Redis speaks
+	s.Observe(t0.Add(100*ms), 2, "k", 8, 10, 10) // Redis: 8
+	s.Woke(t0.Add(100*ms), "k", 8)               // a waiter on 8
+	if res := s.AllowN(t0.Add(100*ms), "k", r, 10, 10.0, 1); res.Allowed {
+		t.Errorf("AllowN at 8-2-8 tokens = %+v; want denied", res)
+	}
+	if spent := drained(s, t0.Add(100*ms)); math.Abs(spent-2) > 1e-9 {
+		t.Errorf("Drain = %v; want the 2 spent locally (full, the bucket lost 1 of refill)", spent)
+	}
+}

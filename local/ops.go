@@ -1,7 +1,6 @@
 package local
 
 import (
-	"math"
 	"time"
 
 	"golang.org/x/time/rate"
@@ -12,17 +11,23 @@ import (
 // start returns the level a new local bucket for b starts from, and when:
 // what Redis last said of the key, refilled since, or capacity at now if
 // it said nothing; less owed, spending that Redis was not charged with
-// yet: Redis does not know of it. Never below zero: a debt Redis reported
-// (WaitN's reservations, or a clock that went back, which Redis's bucket
-// shows as a debt too) is not taken over; started in it, a share after a
-// failover to a replica whose clock was 2 s behind admitted nothing for
-// 2 s of an outage (simulator seed 8302).
+// yet: Redis does not know of it. Never below zero for what Redis
+// reported: a debt in Redis's bucket (WaitN's reservations, or a clock that
+// went back, which Redis's bucket shows as a debt too) is not taken over;
+// started in it, a share after a failover to a replica whose clock was 2 s
+// behind admitted nothing for 2 s of an outage (simulator seed 8302). What
+// this instance's own waiters were admitted on since (Woke) comes off it,
+// below zero if need be: those tokens are known to be spent.
 // start requires that the shard's mu is held.
 func (s *Shares) start(b *bucket, now time.Time, burst int, capacity, owed float64) (float64, mono) {
-	if b.seen != 0 {
-		return clamp(b.tokens/b.size*capacity-owed, burst), b.seen
+	woke := 0.0
+	if b.lim == nil {
+		woke = b.seed
 	}
-	return clamp(capacity-owed, burst), s.mono(now)
+	if b.seen != 0 {
+		return clamp(b.tokens/b.size*capacity-owed, burst) - woke, b.seen
+	}
+	return clamp(capacity-owed, burst) - woke, s.mono(now)
 }
 
 // Peek returns the tokens the next AllowN on key, with the same rate,
@@ -48,13 +53,13 @@ func (s *Shares) peek(now time.Time, key string, r rate.Limit, burst int, capaci
 		sh.mu.Unlock()
 		return clamp(capacity, burst)
 	}
-	if lim := b.lim; lim != nil && !(b.seen != 0 && b.seen > b.seedAt) {
+	if lim := b.lim; lim != nil && !b.stale() {
 		sh.mu.Unlock()
 		return clamp(lim.TokensAt(now), burst)
 	}
 	seed, at := s.start(b, now, burst, capacity, b.owed+s.spent(b, now))
 	sh.mu.Unlock()
-	return math.Min(seed+float64(r)*max(now.Sub(s.time(at)).Seconds(), 0), float64(burst))
+	return clamp(seed+float64(r)*max(now.Sub(s.time(at)).Seconds(), 0), burst)
 }
 
 // AllowAtMost takes as many whole tokens as key's bucket holds at now, up
