@@ -306,6 +306,7 @@ func TestWaitGiveBackAfterLoweredLimit(t *testing.T) {
 		}
 	})
 }
+
 // TestWaitQueueThroughAnOutage: 60 workers queue on a key of 10/s (burst
 // 10) with WaitN, the last of them due 5 s on, and then Redis hangs for
 // 3 s while callers of Allow keep coming on the same key. The waiters are
