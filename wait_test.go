@@ -310,9 +310,9 @@ func TestWaitGiveBackAfterLoweredLimit(t *testing.T) {
 // TestWaitQueueThroughAnOutage: 60 workers queue on a key of 10/s (burst
 // 10) with WaitN, the last of them due 5 s on, and then Redis hangs for
 // 3 s while callers of Allow keep coming on the same key. The waiters are
-// admitted on their schedule, Redis or not: the tokens are theirs. The
-// local share must start from the debt their reservations left in Redis's
-// bucket, not from an empty bucket, or it admits its rate on top of them.
+// admitted on their schedule, Redis or not: the tokens are theirs. Their
+// admissions must come out of the local share, or it admits its rate on
+// top of them (63 in the 3 s, 33 of them local).
 func TestWaitQueueThroughAnOutage(t *testing.T) {
 	bubble(t, func(t *testing.T) {
 		const rate, burst = 10, 10

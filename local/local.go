@@ -116,11 +116,11 @@ type bucket struct {
 	r     rate.Limit
 	burst int
 	// seed is what lim held at seedAt when it was created, for Drain.
-	// While lim is nil it is instead what Woke recorded: the tokens of
+	// While lim is nil they are instead what Woke recorded: the tokens of
 	// this instance's waiters admitted on Redis's reservations since
 	// Redis last spoke of the key, which a bucket started from what Redis
-	// said starts without (a field of its own would take every bucket to
-	// the next size class).
+	// said starts without, and when the last of them was admitted (fields
+	// of their own would take every bucket to the next size class).
 	seed   float64
 	seedAt mono
 	// owed is spending that Drain reported and Redis has not confirmed
@@ -286,18 +286,20 @@ func newLimiter(at time.Time, r rate.Limit, burst int, tokens float64) *rate.Lim
 // debit takes n whole tokens from lim, of burst burst, at time at, below
 // zero if it holds fewer. x/time/rate reserves at most a burst at once, so
 // a take beyond it goes through a burst raised for the take. A zero rate
-// never refills a debt, so lim then takes only what it holds.
+// never refills a debt, so lim then takes only the whole tokens it holds.
 func debit(lim *rate.Limiter, at time.Time, n float64, burst int) {
 	switch {
 	case n <= 0:
+	case lim.Limit() == 0:
+		if k := math.Min(n, math.Floor(lim.TokensAt(at))); k >= 1 {
+			lim.AllowN(at, int(k))
+		}
 	case n <= float64(burst):
 		lim.ReserveN(at, int(n))
-	case lim.Limit() > 0:
+	default:
 		lim.SetBurstAt(at, int(n))
 		lim.ReserveN(at, int(n))
 		lim.SetBurstAt(at, burst)
-	default:
-		lim.AllowN(at, burst)
 	}
 }
 
@@ -341,8 +343,12 @@ func (s *Shares) Observe(at time.Time, redisTime int64, key string, tokens, rate
 func (s *Shares) record(b *bucket, at time.Time, redisTime int64, tokens, rate, burst float64) {
 	if redisTime >= b.order || b.order-redisTime > 1e6 {
 		b.tokens, b.rate, b.size, b.seen, b.order = tokens, rate, burst, s.mono(at), redisTime
-		if b.lim == nil {
-			b.seed = 0 // Woke's: in what Redis said, which reserved them
+		if b.lim == nil && b.seen >= b.seedAt {
+			// Woke's tokens are in what Redis said since, which reserved
+			// them. Not those of a waiter admitted after the call was
+			// sent: kept, they may count a waiter admitted before it
+			// twice, erring on refusing.
+			b.seed = 0
 		}
 	}
 }
@@ -368,21 +374,30 @@ func (s *Shares) Woke(now time.Time, key string, n int) {
 	defer sh.mu.Unlock()
 	b := sh.m[key]
 	switch {
-	case b == nil:
-		// Evicted: what Redis said is gone, and a bucket starts full
-		// anyway.
+	case b == nil, b.lim == nil && b.seen == 0:
+		// Evicted, or nothing Redis said to start from: a bucket starts
+		// full anyway.
 	case b.lim != nil && !b.stale():
+		if b.r == rate.Inf {
+			return // an infinite share holds no count of its tokens
+		}
+		// Spending is measured afresh after the take, which is not
+		// spending, as Hold does; but seedAt stays, so that Redis's word
+		// from a call sent since the bucket started still replaces it.
 		b.owed += s.spent(b, now)
 		debit(b.lim, now, float64(n), b.burst)
-		b.seed, b.seedAt = b.lim.TokensAt(now), s.mono(now)
+		b.seed = b.lim.TokensAt(now) - float64(b.r)*now.Sub(s.time(b.seedAt)).Seconds()
 	default:
 		if b.lim != nil {
 			// Redis spoke since the bucket started, and the next local
 			// decision starts one again from that: as AllowN does then.
 			b.owed += s.spent(b, now)
-			b.lim, b.seed = nil, 0
+			b.lim, b.seed, b.seedAt = nil, 0, 0
 		}
 		b.seed += float64(n)
+		if m := s.mono(now); b.seedAt == 0 || m > b.seedAt {
+			b.seedAt = m // monos before the epoch are below zero
+		}
 	}
 }
 
@@ -870,7 +885,11 @@ func (b *bucket) full(now time.Time, epoch time.Time) bool {
 	if b.lim != nil && b.r != rate.Inf && b.lim.TokensAt(now) < float64(b.burst) {
 		return false
 	}
-	return b.seen == 0 || b.tokens+b.rate*now.Sub(epoch.Add(time.Duration(b.seen))).Seconds() >= b.size
+	woke := 0.0 // see Woke
+	if b.lim == nil {
+		woke = b.seed
+	}
+	return b.seen == 0 || b.tokens-woke+b.rate*now.Sub(epoch.Add(time.Duration(b.seen))).Seconds() >= b.size
 }
 
 // clean maps rates and bursts that x/time/rate mishandles onto ones it

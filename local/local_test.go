@@ -1016,3 +1016,103 @@ func TestWoke(t *testing.T) {
 		t.Errorf("Drain = %v; want the 2 spent locally (full, the bucket lost 1 of refill)", spent)
 	}
 }
+
+// TestWokeBeforeAnAnswer: Redis's word from a call sent before a waiter
+// was admitted does not hold the waiter's tokens, whenever its answer
+// arrives: they still come off the share.
+func TestWokeBeforeAnAnswer(t *testing.T) {
+	for _, late := range []bool{false, true} {
+		s := New(1000)
+		s.Observe(t0, 1, "k", -5, 10, 10) // Redis owes 5 to a waiter due at +500ms
+		if !late {
+			s.Observe(t0.Add(400*ms), 2, "k", -1, 10, 10) // answer arrives before the wake
+		}
+		s.Woke(t0.Add(500*ms), "k", 5)
+		if late {
+			s.Observe(t0.Add(400*ms), 2, "k", -1, 10, 10) // same answer, sent at +400ms, arrives after the wake
+		}
+		// Redis at +400ms: -1 -> 0, +2 of refill by +600ms, less the waiter's 5 = -3.
+		res := s.AllowN(t0.Add(600*ms), "k", 10, 10, 10, 1)
+		t.Logf("answer arrives after the wake=%v: %+v", late, res)
+		if res.Allowed {
+			t.Errorf("answer arrives after the wake=%v: allowed; want denied (the waiter's 5 tokens were lost)", late)
+		}
+	}
+}
+
+// TestSweepKeepsWokeTokens: an entry holding only Woke's tokens is not
+// full while they are not paid: Sweep would erase them.
+func TestSweepKeepsWokeTokens(t *testing.T) {
+	for _, sweep := range []bool{false, true} {
+		s := New(1000)
+		s.Observe(t0, 1, "k", -50, 10, 10) // 50 reserved by this instance's waiters
+		for i := 1; i <= 50; i++ {
+			s.Woke(t0.Add(time.Duration(i)*100*ms), "k", 1)
+		}
+		at := t0.Add(6 * time.Second)
+		if sweep {
+			if n := s.Sweep(at); n != 1 {
+				t.Logf("Sweep dropped %d", n)
+			}
+		}
+		// Half of a 10/s burst-10 limit: 5/s, burst 5. 0 - 50 + 6*5 = -20.
+		res := s.AllowN(at, "k", rate.Limit(5), 5, 5, 1)
+		t.Logf("sweep=%v: %+v", sweep, res)
+		if res.Allowed {
+			t.Errorf("sweep=%v: allowed with %d left; want denied, 20 tokens of the waiters' still unpaid", sweep, res.Remaining)
+		}
+	}
+}
+
+// TestWokeAtZeroRate: a share that never refills takes only the whole
+// tokens it holds: a debt would never be paid.
+func TestWokeAtZeroRate(t *testing.T) {
+	s := New(1000)
+	s.AllowN(t0, "k", 0, 10, 10, 7) // holds 3
+	s.Woke(t0, "k", 5)              // n <= burst
+	s.Refund(t0, "k", 3)
+	if res := s.AllowN(t0, "k", 0, 10, 10, 0); res.Remaining != 3 {
+		t.Errorf("zero rate, held 3, Woke(5), Refund(3): %d left; want 3 (took only the 3 it held)", res.Remaining)
+	}
+	s = New(1000)
+	s.AllowN(t0, "k", 0, 10, 10, 7) // holds 3
+	s.Woke(t0, "k", 15)             // n > burst
+	if res := s.AllowN(t0, "k", 0, 10, 10, 0); res.Remaining != 0 {
+		t.Errorf("zero rate, held 3, Woke(15): %d left; want 0 (took the 3 it held)", res.Remaining)
+	}
+}
+
+// TestPeekInDebt: Peek's ResetAfter counts a debt as AllowN's does.
+func TestPeekInDebt(t *testing.T) {
+	s := New(1000)
+	s.Observe(t0, 1, "k", 10, 10, 10)
+	s.AllowN(t0, "k", 10, 10, 10, 0)
+	s.Woke(t0, "k", 15) // -5
+	_, pr := s.Peek(t0, "k", 10, 10, 10)
+	ar := s.AllowN(t0, "k", 10, 10, 10, 0).ResetAfter
+	if pr != ar {
+		t.Errorf("Peek ResetAfter %v, AllowN ResetAfter %v", pr, ar)
+	}
+}
+
+// TestWokeKeepsTheBucketsStart: a waiter admitted on a bucket in use does
+// not hide Redis's word from a call sent after the bucket started and
+// answered after the waiter: the next local decision starts from it.
+func TestWokeKeepsTheBucketsStart(t *testing.T) {
+	for _, woke := range []bool{false, true} {
+		s := New(1000)
+		s.Observe(t0, 1, "k", 10, 10, 10)
+		s.AllowN(t0, "k", 10, 10, 10, 0) // local bucket from Redis's 10
+		if woke {
+			s.Woke(t0.Add(200*ms), "k", 1)
+		}
+		// Call sent at +100ms, answered at +300ms: other instances emptied
+		// the bucket, and a waiter of theirs owes 5.
+		s.Observe(t0.Add(100*ms), 2, "k", -5, 10, 10)
+		res := s.AllowN(t0.Add(300*ms), "k", 10, 10, 10, 1)
+		t.Logf("woke=%v: %+v", woke, res)
+		if res.Remaining > 3 {
+			t.Errorf("woke=%v: allowed with %d left; Redis said 0 (clamped) at +100ms", woke, res.Remaining)
+		}
+	}
+}

@@ -1,6 +1,7 @@
 package local
 
 import (
+	"math"
 	"time"
 
 	"golang.org/x/time/rate"
@@ -20,14 +21,14 @@ import (
 // below zero if need be: those tokens are known to be spent.
 // start requires that the shard's mu is held.
 func (s *Shares) start(b *bucket, now time.Time, burst int, capacity, owed float64) (float64, mono) {
-	woke := 0.0
-	if b.lim == nil {
-		woke = b.seed
-	}
 	if b.seen != 0 {
+		woke := 0.0
+		if b.lim == nil {
+			woke = b.seed
+		}
 		return clamp(b.tokens/b.size*capacity-owed, burst) - woke, b.seen
 	}
-	return clamp(capacity-owed, burst) - woke, s.mono(now)
+	return clamp(capacity-owed, burst), s.mono(now)
 }
 
 // Peek returns the tokens the next AllowN on key, with the same rate,
@@ -38,8 +39,8 @@ func (s *Shares) start(b *bucket, now time.Time, burst int, capacity, owed float
 // reports it.
 func (s *Shares) Peek(now time.Time, key string, r rate.Limit, burst int, capacity float64) (tokens float64, resetAfter time.Duration) {
 	r, burst = clean(r, burst)
-	tokens = s.peek(now, key, r, burst, capacity)
-	return tokens, wait(float64(burst)-tokens, r)
+	level := s.peek(now, key, r, burst, capacity)
+	return max(level, 0), wait(float64(burst)-level, r)
 }
 
 func (s *Shares) peek(now time.Time, key string, r rate.Limit, burst int, capacity float64) float64 {
@@ -55,11 +56,11 @@ func (s *Shares) peek(now time.Time, key string, r rate.Limit, burst int, capaci
 	}
 	if lim := b.lim; lim != nil && !b.stale() {
 		sh.mu.Unlock()
-		return clamp(lim.TokensAt(now), burst)
+		return math.Min(lim.TokensAt(now), float64(burst))
 	}
 	seed, at := s.start(b, now, burst, capacity, b.owed+s.spent(b, now))
 	sh.mu.Unlock()
-	return clamp(seed+float64(r)*max(now.Sub(s.time(at)).Seconds(), 0), burst)
+	return math.Min(level(seed, burst)+float64(r)*max(now.Sub(s.time(at)).Seconds(), 0), float64(burst))
 }
 
 // AllowAtMost takes as many whole tokens as key's bucket holds at now, up
