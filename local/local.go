@@ -116,11 +116,11 @@ type bucket struct {
 	r     rate.Limit
 	burst int
 	// seed is what lim held at seedAt when it was created, for Drain.
-	// While lim is nil they are instead what Woke recorded: the tokens of
+	// While lim is nil it is instead what Woke recorded: the tokens of
 	// this instance's waiters admitted on Redis's reservations since
 	// Redis last spoke of the key, which a bucket started from what Redis
-	// said starts without, and when the last of them was admitted (fields
-	// of their own would take every bucket to the next size class).
+	// said starts without (a field of its own would take every bucket to
+	// the next size class).
 	seed   float64
 	seedAt mono
 	// owed is spending that Drain reported and Redis has not confirmed
@@ -343,11 +343,14 @@ func (s *Shares) Observe(at time.Time, redisTime int64, key string, tokens, rate
 func (s *Shares) record(b *bucket, at time.Time, redisTime int64, tokens, rate, burst float64) {
 	if redisTime >= b.order || b.order-redisTime > 1e6 {
 		b.tokens, b.rate, b.size, b.seen, b.order = tokens, rate, burst, s.mono(at), redisTime
-		if b.lim == nil && b.seen >= b.seedAt {
-			// Woke's tokens are in what Redis said since, which reserved
-			// them. Not those of a waiter admitted after the call was
-			// sent: kept, they may count a waiter admitted before it
-			// twice, erring on refusing.
+		if b.lim == nil {
+			// Woke's tokens: in what Redis said, which reserved them.
+			// Those of a waiter admitted after the call was sent are
+			// not, and are forgotten too: kept, every answer would leave
+			// the admissions of a round trip behind, and waiters admitted
+			// more often than that would pile them up for good. The error
+			// is at most the tokens of the waiters admitted in the round
+			// trip of Redis's last word, toward admitting.
 			b.seed = 0
 		}
 	}
@@ -384,6 +387,9 @@ func (s *Shares) Woke(now time.Time, key string, n int) {
 		// Spending is measured afresh after the take, which is not
 		// spending, as Hold does; but seedAt stays, so that Redis's word
 		// from a call sent since the bucket started still replaces it.
+		// (From a call sent before the take, that word does not hold it,
+		// and the bucket started again from it goes without it: the error
+		// of record's, at most a round trip's admissions.)
 		b.owed += s.spent(b, now)
 		debit(b.lim, now, float64(n), b.burst)
 		b.seed = b.lim.TokensAt(now) - float64(b.r)*now.Sub(s.time(b.seedAt)).Seconds()
@@ -392,12 +398,9 @@ func (s *Shares) Woke(now time.Time, key string, n int) {
 			// Redis spoke since the bucket started, and the next local
 			// decision starts one again from that: as AllowN does then.
 			b.owed += s.spent(b, now)
-			b.lim, b.seed, b.seedAt = nil, 0, 0
+			b.lim, b.seed = nil, 0
 		}
 		b.seed += float64(n)
-		if m := s.mono(now); b.seedAt == 0 || m > b.seedAt {
-			b.seedAt = m // monos before the epoch are below zero
-		}
 	}
 }
 
@@ -669,7 +672,7 @@ func (s *Shares) Refund(now time.Time, key string, n int) {
 		// level after the refund.
 		b.owed += s.spent(b, now)
 		b.owed -= min(b.owed, float64(n))
-		lim.AllowN(now, -n)
+		lim.ReserveN(now, -n) // AllowN refuses while the bucket is in debt
 		b.seed, b.seedAt = lim.TokensAt(now), s.mono(now)
 		sh.mu.Unlock()
 		return
@@ -677,7 +680,8 @@ func (s *Shares) Refund(now time.Time, key string, n int) {
 	sh.mu.Unlock()
 	if lim != nil && n > 0 {
 		// A negative take adds tokens; the next call caps them at burst.
-		lim.AllowN(now, -n)
+		// ReserveN: AllowN refuses one that leaves the bucket in debt.
+		lim.ReserveN(now, -n)
 	}
 }
 

@@ -1017,25 +1017,34 @@ func TestWoke(t *testing.T) {
 	}
 }
 
-// TestWokeBeforeAnAnswer: Redis's word from a call sent before a waiter
-// was admitted does not hold the waiter's tokens, whenever its answer
-// arrives: they still come off the share.
-func TestWokeBeforeAnAnswer(t *testing.T) {
-	for _, late := range []bool{false, true} {
+// TestWokeAndAnAnswer: Redis's word holds the tokens of a waiter
+// admitted before its call was sent, and the share starts from it; one
+// admitted after it, whose tokens Redis's word does not hold, is forgotten
+// with it, a round trip's error toward admitting (docs/design.md, WaitN).
+func TestWokeAndAnAnswer(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		sent     time.Duration // the answer's call, Redis saying 5 then
+		woke     time.Duration // the waiter admitted on 5
+		answered bool          // the answer arrives before the waiter
+		left     int64         // at +600ms, after a take of 1
+	}{
+		{"waiter first", 400 * ms, 300 * ms, false, 6},     // 5 + 2
+		{"answer first", 400 * ms, 500 * ms, true, 1},      // 5 - 5 + 2
+		{"answer in flight", 400 * ms, 500 * ms, false, 6}, // forgotten
+	} {
 		s := New(1000)
-		s.Observe(t0, 1, "k", -5, 10, 10) // Redis owes 5 to a waiter due at +500ms
-		if !late {
-			s.Observe(t0.Add(400*ms), 2, "k", -1, 10, 10) // answer arrives before the wake
+		s.Observe(t0, 1, "k", -5, 10, 10)
+		if c.answered {
+			s.Observe(t0.Add(c.sent), 2, "k", 5, 10, 10)
 		}
-		s.Woke(t0.Add(500*ms), "k", 5)
-		if late {
-			s.Observe(t0.Add(400*ms), 2, "k", -1, 10, 10) // same answer, sent at +400ms, arrives after the wake
+		s.Woke(t0.Add(c.woke), "k", 5)
+		if !c.answered {
+			s.Observe(t0.Add(c.sent), 2, "k", 5, 10, 10)
 		}
-		// Redis at +400ms: -1 -> 0, +2 of refill by +600ms, less the waiter's 5 = -3.
 		res := s.AllowN(t0.Add(600*ms), "k", 10, 10, 10, 1)
-		t.Logf("answer arrives after the wake=%v: %+v", late, res)
-		if res.Allowed {
-			t.Errorf("answer arrives after the wake=%v: allowed; want denied (the waiter's 5 tokens were lost)", late)
+		if !res.Allowed || res.Remaining != c.left {
+			t.Errorf("%s: %+v; want allowed, %d left", c.name, res, c.left)
 		}
 	}
 }
@@ -1097,7 +1106,8 @@ func TestPeekInDebt(t *testing.T) {
 
 // TestWokeKeepsTheBucketsStart: a waiter admitted on a bucket in use does
 // not hide Redis's word from a call sent after the bucket started and
-// answered after the waiter: the next local decision starts from it.
+// answered after the waiter: the next local decision starts from it (9
+// left when the waiter's take moved the bucket's start).
 func TestWokeKeepsTheBucketsStart(t *testing.T) {
 	for _, woke := range []bool{false, true} {
 		s := New(1000)
@@ -1109,10 +1119,23 @@ func TestWokeKeepsTheBucketsStart(t *testing.T) {
 		// Call sent at +100ms, answered at +300ms: other instances emptied
 		// the bucket, and a waiter of theirs owes 5.
 		s.Observe(t0.Add(100*ms), 2, "k", -5, 10, 10)
+		// The bucket starts again from it: 0 (its debt is not taken
+		// over) and 2 of refill by +300ms, less the take of 1.
 		res := s.AllowN(t0.Add(300*ms), "k", 10, 10, 10, 1)
-		t.Logf("woke=%v: %+v", woke, res)
-		if res.Remaining > 3 {
-			t.Errorf("woke=%v: allowed with %d left; Redis said 0 (clamped) at +100ms", woke, res.Remaining)
+		if !res.Allowed || res.Remaining != 1 {
+			t.Errorf("woke=%v: %+v; want allowed, 1 left, from Redis's word at +100ms", woke, res)
 		}
+	}
+}
+
+// TestRefundInDebt: a refund to a bucket in debt (a waiter's tokens) is
+// not refused, as x/time/rate's AllowN refuses a take that leaves it so.
+func TestRefundInDebt(t *testing.T) {
+	s := New(1000)
+	s.AllowN(t0, "k", 10, 10, 10, 2) // 8
+	s.Woke(t0, "k", 15)              // -7
+	s.Refund(t0, "k", 2)             // -5
+	if res := s.AllowN(t0, "k", 10, 10, 10, 0); res.ResetAfter != 1500*ms {
+		t.Errorf("ResetAfter = %v; want 1.5s, from -5", res.ResetAfter)
 	}
 }
