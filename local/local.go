@@ -409,6 +409,15 @@ func (s *Shares) Woke(now time.Time, key string, n int) {
 // stale requires that the shard's mu is held.
 func (b *bucket) stale() bool { return b.seen != 0 && b.seen > b.seedAt }
 
+// woke returns the tokens Woke recorded while no local bucket is in use
+// (see seed). woke requires that the shard's mu is held.
+func (b *bucket) woke() float64 {
+	if b.lim != nil {
+		return 0
+	}
+	return b.seed
+}
+
 // Count records the answer to one of this instance's calls on key for its
 // part of the key's consumption: see remote.Part.Add, whose arguments
 // follow key. at is when the call was sent, as for Observe. With handoff,
@@ -889,11 +898,7 @@ func (b *bucket) full(now time.Time, epoch time.Time) bool {
 	if b.lim != nil && b.r != rate.Inf && b.lim.TokensAt(now) < float64(b.burst) {
 		return false
 	}
-	woke := 0.0 // see Woke
-	if b.lim == nil {
-		woke = b.seed
-	}
-	return b.seen == 0 || b.tokens-woke+b.rate*now.Sub(epoch.Add(time.Duration(b.seen))).Seconds() >= b.size
+	return b.seen == 0 || b.tokens-b.woke()+b.rate*now.Sub(epoch.Add(time.Duration(b.seen))).Seconds() >= b.size
 }
 
 // clean maps rates and bursts that x/time/rate mishandles onto ones it

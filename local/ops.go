@@ -22,11 +22,7 @@ import (
 // start requires that the shard's mu is held.
 func (s *Shares) start(b *bucket, now time.Time, burst int, capacity, owed float64) (float64, mono) {
 	if b.seen != 0 {
-		woke := 0.0
-		if b.lim == nil {
-			woke = b.seed
-		}
-		return clamp(b.tokens/b.size*capacity-owed, burst) - woke, b.seen
+		return clamp(b.tokens/b.size*capacity-owed, burst) - b.woke(), b.seen
 	}
 	return clamp(capacity-owed, burst), s.mono(now)
 }
