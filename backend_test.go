@@ -165,6 +165,32 @@ func (r *testRedis) blackhole(on bool) {
 	}
 }
 
+// resetAll closes every connection between Redis and its clients with a
+// reset (a TCP RST on a real server's proxy).
+func (r *testRedis) resetAll() {
+	if r.px != nil {
+		r.px.ResetAll()
+		return
+	}
+	r.link.Reset()
+}
+
+// resetting makes every connection, those opened from now on too, reset
+// while on: a middlebox that accepts and resets everything.
+func (r *testRedis) resetting(on bool) {
+	if r.px != nil {
+		r.px.SetReset(on)
+		if on {
+			r.px.ResetAll()
+		}
+		return
+	}
+	r.link.ResetNew(on)
+	if on {
+		r.link.Reset()
+	}
+}
+
 // clients returns n new clients, as client does.
 func (r *testRedis) clients(tb testing.TB, n int) []redis.UniversalClient {
 	out := make([]redis.UniversalClient, n)

@@ -690,43 +690,44 @@ func TestFaultResetRule(t *testing.T) {
 // of 60-80ms were seen under load) cannot add time-outs to the failures.
 func TestFaultResets(t *testing.T) {
 	leakCheck(t)
-	srv := redistest.Start(t)
-	px := faultproxy.Start(t, srv.Addr())
-	const timeout = 250 * time.Millisecond
-	r := newRig(t, clients(t, px.Addr(), loadInstances), Config{Timeout: timeout})
-	events := []loadgen.Event{}
-	for _, at := range []time.Duration{2000, 2500, 3000, 3500} {
-		events = append(events, loadgen.Event{At: at * time.Millisecond, Do: px.ResetAll})
-	}
-	var persist, healed time.Time
-	events = append(events,
-		mark(5*time.Second, &persist, func() { px.SetReset(true); px.ResetAll() }),
-		mark(7*time.Second, &healed, func() { px.SetReset(false) }),
-	)
-	r.run(9*time.Second, nil, events...)
-	if healed.IsZero() {
-		t.Fatal("the run ended before the resets stopped")
-	}
-	t.Logf("breakers opened at %s", describeOpens(r))
-	r.checkNoErrors()
-	r.checkLatency(timeout + latencyMargin)
-	r.logDegraded(2*time.Second, 5*time.Second)
-	for i, lr := range r.logs {
-		opened := lr.opened()
-		for _, o := range opened {
-			if o.Before(persist) {
-				t.Errorf("instance %d: breaker opened at %s, during the bursts of resets; want closed", i, r.at(o))
+	withRedis(t, func(t *testing.T, srv *testRedis) {
+		srv.proxy(t)
+		const timeout = 250 * time.Millisecond
+		r := newRig(t, srv.clients(t, loadInstances), Config{Timeout: timeout})
+		events := []loadgen.Event{}
+		for _, at := range []time.Duration{2000, 2500, 3000, 3500} {
+			events = append(events, loadgen.Event{At: at * time.Millisecond, Do: srv.resetAll})
+		}
+		var persist, healed time.Time
+		events = append(events,
+			mark(5*time.Second, &persist, func() { srv.resetting(true) }),
+			mark(7*time.Second, &healed, func() { srv.resetting(false) }),
+		)
+		r.run(9*time.Second, nil, events...)
+		if healed.IsZero() {
+			t.Fatal("the run ended before the resets stopped")
+		}
+		t.Logf("breakers opened at %s", describeOpens(r))
+		r.checkNoErrors()
+		r.checkLatency(timeout + latencyMargin)
+		r.logDegraded(2*time.Second, 5*time.Second)
+		for i, lr := range r.logs {
+			opened := lr.opened()
+			for _, o := range opened {
+				if o.Before(persist) {
+					t.Errorf("instance %d: breaker opened at %s, during the bursts of resets; want closed", i, r.at(o))
+				}
+			}
+			if len(opened) == 0 || opened[len(opened)-1].Before(persist) {
+				t.Errorf("instance %d: breaker never opened while every connection was reset", i)
+			} else if first := firstAfter(opened, persist); first.Sub(persist) > 500*time.Millisecond {
+				t.Errorf("instance %d: breaker opened %v after the resets began to persist; want within 500ms",
+					i, first.Sub(persist))
 			}
 		}
-		if len(opened) == 0 || opened[len(opened)-1].Before(persist) {
-			t.Errorf("instance %d: breaker never opened while every connection was reset", i)
-		} else if first := firstAfter(opened, persist); first.Sub(persist) > 500*time.Millisecond {
-			t.Errorf("instance %d: breaker opened %v after the resets began to persist; want within 500ms",
-				i, first.Sub(persist))
-		}
-	}
-	r.checkModes(5500*time.Millisecond, 7*time.Second, ModeLocal)
-	r.checkRecovery(healed, recoveryBound(BreakerConfig{}))
+		r.checkModes(5500*time.Millisecond, 7*time.Second, ModeLocal)
+		r.checkRecovery(healed, recoveryBound(BreakerConfig{}))
+	})
 }
 
 // firstAfter returns the first of ts at or after t, or the zero Time.

@@ -40,8 +40,9 @@ type Link struct {
 	latency atomic.Int64 // time.Duration
 	hung    atomic.Bool
 
-	mu     sync.Mutex // protects the fields below, and orders changes of hung
-	refuse bool
+	mu       sync.Mutex // protects the fields below, and orders changes of hung
+	refuse   bool
+	resetNew bool
 	conns  map[*Conn]struct{}
 	dials  int
 }
@@ -77,6 +78,15 @@ func (l *Link) setHung(h bool) {
 func (l *Link) Refuse(on bool) {
 	l.mu.Lock()
 	l.refuse = on
+	l.mu.Unlock()
+}
+
+// ResetNew makes every dial while on is true succeed and its connection
+// reset at once, as a proxy or load balancer that accepts and then sends a
+// TCP RST does (with Reset, a middlebox that resets everything).
+func (l *Link) ResetNew(on bool) {
+	l.mu.Lock()
+	l.resetNew = on
 	l.mu.Unlock()
 }
 
@@ -122,13 +132,16 @@ func (l *Link) Dial(serve func(net.Conn)) (net.Conn, error) {
 		return nil, &net.OpError{Op: "dial", Net: "sim", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
 	}
 	l.dials++
-	delay := l.delay()
+	delay, reset := l.delay(), l.resetNew
 	c := &Conn{link: l, up: newStream(), down: newStream()}
 	l.conns[c] = struct{}{}
 	l.mu.Unlock()
 	// The handshake is a round trip: its latency, like a reply's.
 	time.Sleep(delay)
 	serve(&ServerEnd{c})
+	if reset {
+		c.reset()
+	}
 	return c, nil
 }
 

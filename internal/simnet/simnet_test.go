@@ -83,3 +83,35 @@ func TestLatencyOncePerReply(t *testing.T) {
 		}
 	})
 }
+
+// TestResetNew: while ResetNew is on, a dial succeeds and its connection
+// is reset at once, new ones included, as behind a proxy that accepts and
+// sends a TCP RST; once it is off, connections work again.
+func TestResetNew(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := simredis.New()
+		defer srv.Close()
+		link := simnet.NewLink()
+		c := redis.NewClient(&redis.Options{
+			Addr:       "10.0.0.1:6379", // an IP: a hostname would be looked up,
+			Protocol:   2,
+			MaxRetries: -1,
+			Dialer:     link.Dialer(func(c net.Conn) { srv.Serve(c, 0) }),
+		})
+		defer c.Close()
+		ctx := context.Background()
+		link.ResetNew(true)
+		for i := range 3 {
+			if err := c.Ping(ctx).Err(); !simnet.ErrReset(err) {
+				t.Fatalf("ping %d while new connections are reset: %v; want a reset", i, err)
+			}
+		}
+		if got := link.Dials(); got != 3 {
+			t.Errorf("dials: %d; want 3, each accepted and then reset", got)
+		}
+		link.ResetNew(false)
+		if err := c.Ping(ctx).Err(); err != nil {
+			t.Fatalf("ping after ResetNew(false): %v", err)
+		}
+	})
+}
