@@ -43,8 +43,8 @@ type Link struct {
 	mu       sync.Mutex // protects the fields below, and orders changes of hung
 	refuse   bool
 	resetNew bool
-	conns  map[*Conn]struct{}
-	dials  int
+	conns    map[*Conn]struct{}
+	dials    int
 }
 
 // NewLink returns a healthy Link.
