@@ -202,6 +202,7 @@ func migrateSlot(ctx context.Context, nodes map[*redistest.Server]*redis.Client,
 // TestClusterExactCounts: the point is exactness across the move.
 func TestClusterReshard(t *testing.T) {
 	leakCheck(t)
+	parallel(t)
 	cl := redistest.StartCluster(t, 3)
 	const burst, prefix, key = 500, "reshard:", "live"
 	r := newRig(t, clusterClients(t, cl, loadInstances), Config{
@@ -274,6 +275,7 @@ func TestClusterReshard(t *testing.T) {
 // should keep its healthy shards serving sets.
 func TestClusterShardDown(t *testing.T) {
 	leakCheck(t)
+	parallel(t)
 	cl := redistest.StartCluster(t, 3, redistest.WithArgs("--cluster-require-full-coverage", "no"))
 	const burst, prefix = 150, "shard:"
 	byNode := keysOn(t, cl, prefix, "key", 2)
@@ -481,6 +483,7 @@ func (r *rig) seconds(n int, keep func(decision) bool) []loadgen.Second {
 // first admits more than 115, and no call errs.
 func TestClusterFailover(t *testing.T) {
 	leakCheck(t)
+	parallel(t)
 	cl := redistest.StartClusterWithReplicas(t, 3)
 	const prefix, key = "fo:", "k"
 	master := cl.NodeForKey(t, prefix+key)
@@ -543,7 +546,7 @@ func TestClusterFailover(t *testing.T) {
 func TestClusterFunctions(t *testing.T) {
 	// Its checks take no time budget: it overlaps its Cluster's start (the
 	// masters wait 2 s before they report cluster_state:ok) with others'.
-	t.Parallel()
+	parallel(t)
 	cl := redistest.StartCluster(t, 3)
 	const prefix = "fn:"
 	lim := newLimiter(t, Config{Redis: cl.Client(t), Limit: PerSecond(100), Prefix: prefix, Heartbeat: -1, Instances: 1, Timeout: time.Second})

@@ -68,13 +68,42 @@ func recoveryBound(b BreakerConfig) time.Duration {
 // leakCheck makes t fail if goroutines started during the test outlive it.
 // Call it first, so that its cleanup runs after every other one (limiters,
 // clients, servers). go-redis may need up to a second after Close to stop a
-// redial goroutine, so it retries for a while.
+// redial goroutine, so it retries for a while. goleak cannot tell whose
+// goroutines are whose: the check of a test that ran beside others
+// (parallel) waits until none of them runs, and no test starts beside it
+// until every such check is done, so that another test's goroutines are
+// not taken for this one's leaks.
 func leakCheck(t *testing.T) {
 	before := goleak.IgnoreCurrent()
+	beside.Lock()
+	beside.checked[t] = true
+	beside.Unlock()
 	t.Cleanup(func() {
+		beside.Lock()
+		if beside.parallel[t] {
+			beside.running--
+		}
+		beside.checking++
+		beside.changed.Broadcast()
+		for beside.running > 0 {
+			beside.changed.Wait()
+		}
+		beside.Unlock()
+		defer func() {
+			beside.Lock()
+			beside.checking--
+			delete(beside.checked, t)
+			delete(beside.parallel, t)
+			beside.changed.Broadcast()
+			beside.Unlock()
+		}()
 		deadline := time.Now().Add(3 * time.Second)
 		for {
-			err := goleak.Find(before)
+			err := goleak.Find(before,
+				// Other tests, waiting for their turn or for the checks.
+				goleak.IgnoreTopFunction("testing.(*testState).waitParallel"),
+				goleak.IgnoreAnyFunction("github.com/hybridlimit/hybridlimit.parallel"),
+				goleak.IgnoreAnyFunction("github.com/hybridlimit/hybridlimit.leakCheck.func1"))
 			if err == nil {
 				return
 			}
@@ -85,6 +114,51 @@ func leakCheck(t *testing.T) {
 			time.Sleep(50 * time.Millisecond)
 		}
 	})
+}
+
+// beside keeps count of the tests running beside each other (parallel)
+// and of the leak checks under way.
+var beside = func() *besideTests {
+	b := &besideTests{checked: map[*testing.T]bool{}, parallel: map[*testing.T]bool{}}
+	b.changed = sync.NewCond(&b.Mutex)
+	return b
+}()
+
+type besideTests struct {
+	sync.Mutex
+	changed  *sync.Cond // broadcast on every change of the counts
+	running  int        // parallel tests started and not yet at their leak check or end
+	checking int        // leak checks waiting or under way
+	checked  map[*testing.T]bool
+	parallel map[*testing.T]bool
+}
+
+// parallel runs t beside the package's other parallel tests, after the
+// rest. It is for tests on real servers that mostly wait, on a load of a
+// few hundred decisions a second or on a Cluster's start, and whose
+// budgets' margins (latencyMargin) cover what such a test beside them
+// costs the machine: the suite does not wait for them one after another.
+// Call it after leakCheck, so that the check's snapshot is taken before
+// t waits for its turn.
+func parallel(t *testing.T) {
+	t.Parallel()
+	beside.Lock()
+	for beside.checking > 0 {
+		beside.changed.Wait()
+	}
+	beside.running++
+	checked := beside.checked[t]
+	beside.parallel[t] = true
+	beside.Unlock()
+	if !checked {
+		t.Cleanup(func() {
+			beside.Lock()
+			beside.running--
+			delete(beside.parallel, t)
+			beside.changed.Broadcast()
+			beside.Unlock()
+		})
+	}
 }
 
 // logRecorder is an slog.Handler that keeps every record at Warn and above.
@@ -527,6 +601,7 @@ func describeOpens(r *rig) string {
 // fail-fast second after SIGCONT.
 func TestFaultPaused(t *testing.T) {
 	leakCheck(t)
+	parallel(t)
 	srv := redistest.Start(t)
 	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{Heartbeat: settleHeartbeat})
 	r.settle()
@@ -553,6 +628,7 @@ func TestFaultPaused(t *testing.T) {
 // the emptied buckets start full and nothing errs.
 func TestFaultKilled(t *testing.T) {
 	leakCheck(t)
+	parallel(t)
 	srv := redistest.Start(t)
 	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{Heartbeat: settleHeartbeat})
 	r.settle()
@@ -905,6 +981,7 @@ func TestFaultMemory(t *testing.T) {
 // Redis within the recovery bound once memory is freed.
 func TestFaultOOM(t *testing.T) {
 	leakCheck(t)
+	parallel(t)
 	srv := redistest.Start(t, redistest.WithArgs("--maxmemory-policy", "noeviction"))
 	admin := srv.Client(t)
 	setMax := func(v string) func() {
@@ -1101,6 +1178,7 @@ func TestFaultCancellations(t *testing.T) {
 // within the recovery bound.
 func TestFaultFailover(t *testing.T) {
 	leakCheck(t)
+	parallel(t)
 	master, replica := redistest.StartReplicated(t)
 	px := faultproxy.Start(t, master.Addr())
 	r := newRig(t, clients(t, px.Addr(), loadInstances), Config{Heartbeat: settleHeartbeat})

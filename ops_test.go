@@ -430,7 +430,7 @@ func TestOpsWithinBudget(t *testing.T) {
 // TestOpsOnCluster: Reset, Peek and AllowAtMost reach each key's master
 // on a 3-master Cluster.
 func TestOpsOnCluster(t *testing.T) {
-	t.Parallel() // as TestClusterFunctions
+	parallel(t) // as TestClusterFunctions
 	cl := redistest.StartCluster(t, 3)
 	const prefix = "ops:"
 	lim := newLimiter(t, Config{Redis: cl.Client(t), Limit: Limit{Rate: 1e-3, Burst: 10}, Instances: 1,
