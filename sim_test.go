@@ -2182,15 +2182,20 @@ const simResultPrefix = "SIMRESULT "
 
 // runSeed simulates seed in a bubble of its own.
 func runSeed(t *testing.T, seed uint64) seedResult {
-	start := time.Now()
+	start, cpu0 := time.Now(), processCPU()
 	sched := genSchedule(seed)
-	v, _ := simulate(t, sched)
+	v, recs := simulate(t, sched)
 	r := seedResult{Seed: seed, Features: sched.features()}
 	for name := range v {
 		r.Failed = append(r.Failed, name)
 	}
 	slices.Sort(r.Failed)
 	r.Took = time.Since(start)
+	if *simCost != "" {
+		if err := writeSimCost(sched, cpu0, len(recs)); err != nil {
+			t.Errorf("-sim.cost: %v", err)
+		}
+	}
 	return r
 }
 
@@ -2216,7 +2221,7 @@ func runChildren(t *testing.T, procs int) []seedResult {
 	for range procs {
 		wg.Go(func() {
 			cmd := exec.Command(exe, "-test.run=^TestSim$", "-test.count=1", "-test.timeout=0",
-				"-sim.child", fmt.Sprintf("-sim.cluster=%v", *simClusterShare))
+				"-sim.child", fmt.Sprintf("-sim.cluster=%v", *simClusterShare), "-sim.cost="+*simCost)
 			cmd.Env = append(os.Environ(), "GOMAXPROCS=1")
 			var stderr bytes.Buffer
 			cmd.Stderr = &stderr
