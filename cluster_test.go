@@ -546,6 +546,7 @@ func TestClusterFailover(t *testing.T) {
 func TestClusterFunctions(t *testing.T) {
 	// Its checks take no time budget: it overlaps its Cluster's start (the
 	// masters wait 2 s before they report cluster_state:ok) with others'.
+	leakCheck(t)
 	parallel(t)
 	cl := redistest.StartCluster(t, 3)
 	const prefix = "fn:"

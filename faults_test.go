@@ -69,14 +69,18 @@ func recoveryBound(b BreakerConfig) time.Duration {
 // Call it first, so that its cleanup runs after every other one (limiters,
 // clients, servers). go-redis may need up to a second after Close to stop a
 // redial goroutine, so it retries for a while. goleak cannot tell whose
-// goroutines are whose: the check of a test that ran beside others
-// (parallel) waits until none of them runs, and no test starts beside it
-// until every such check is done, so that another test's goroutines are
-// not taken for this one's leaks.
+// goroutines are whose: a test that runs beside others (parallel) takes
+// its snapshot of the goroutines already there when its turn comes, its
+// check waits until none of them runs, and no test starts beside it until
+// every such check is done, so that another test's goroutines are not
+// taken for this one's leaks.
 func leakCheck(t *testing.T) {
-	before := goleak.IgnoreCurrent()
 	beside.Lock()
-	beside.checked[t] = true
+	if beside.running > 0 || beside.parallel[t] {
+		beside.Unlock()
+		t.Fatal("leakCheck: call it first in a top-level test, before parallel")
+	}
+	beside.before[t] = goleak.IgnoreCurrent()
 	beside.Unlock()
 	t.Cleanup(func() {
 		beside.Lock()
@@ -88,11 +92,12 @@ func leakCheck(t *testing.T) {
 		for beside.running > 0 {
 			beside.changed.Wait()
 		}
+		before := beside.before[t]
 		beside.Unlock()
 		defer func() {
 			beside.Lock()
 			beside.checking--
-			delete(beside.checked, t)
+			delete(beside.before, t)
 			delete(beside.parallel, t)
 			beside.changed.Broadcast()
 			beside.Unlock()
@@ -119,17 +124,17 @@ func leakCheck(t *testing.T) {
 // beside keeps count of the tests running beside each other (parallel)
 // and of the leak checks under way.
 var beside = func() *besideTests {
-	b := &besideTests{checked: map[*testing.T]bool{}, parallel: map[*testing.T]bool{}}
+	b := &besideTests{before: map[*testing.T]goleak.Option{}, parallel: map[*testing.T]bool{}}
 	b.changed = sync.NewCond(&b.Mutex)
 	return b
 }()
 
 type besideTests struct {
 	sync.Mutex
-	changed  *sync.Cond // broadcast on every change of the counts
-	running  int        // parallel tests started and not yet at their leak check or end
-	checking int        // leak checks waiting or under way
-	checked  map[*testing.T]bool
+	changed  *sync.Cond                   // broadcast on every change of the counts
+	running  int                          // parallel tests started and not yet at their leak check or end
+	checking int                          // leak checks waiting or under way
+	before   map[*testing.T]goleak.Option // a checked test's snapshot
 	parallel map[*testing.T]bool
 }
 
@@ -138,16 +143,24 @@ type besideTests struct {
 // few hundred decisions a second or on a Cluster's start, and whose
 // budgets' margins (latencyMargin) cover what such a test beside them
 // costs the machine: the suite does not wait for them one after another.
-// Call it after leakCheck, so that the check's snapshot is taken before
-// t waits for its turn.
+// Call it in a top-level test, after leakCheck.
 func parallel(t *testing.T) {
+	beside.Lock()
+	inside := beside.running > 0
+	beside.Unlock()
+	if inside {
+		t.Fatal("parallel: for top-level tests only")
+	}
 	t.Parallel()
 	beside.Lock()
 	for beside.checking > 0 {
 		beside.changed.Wait()
 	}
 	beside.running++
-	checked := beside.checked[t]
+	_, checked := beside.before[t]
+	if checked {
+		beside.before[t] = goleak.IgnoreCurrent()
+	}
 	beside.parallel[t] = true
 	beside.Unlock()
 	if !checked {
@@ -292,12 +305,6 @@ func (r *rig) settle() {
 		}
 	}
 }
-
-// settleHeartbeat is the Heartbeat of the rigs that settle before an
-// outage: a fleet reads its parts within about three of them, so a
-// shorter one than the default second takes less of the suite's time
-// before the fault, and changes nothing the tests assert after it.
-const settleHeartbeat = 250 * time.Millisecond
 
 // decide returns instance i's Decide for loadgen, recording each decision.
 func (r *rig) decide(i int) loadgen.Decide {
@@ -603,7 +610,7 @@ func TestFaultPaused(t *testing.T) {
 	leakCheck(t)
 	parallel(t)
 	srv := redistest.Start(t)
-	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{Heartbeat: settleHeartbeat})
+	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{})
 	r.settle()
 	var paused, resumed time.Time
 	res := r.run(7*time.Second, nil,
@@ -630,7 +637,7 @@ func TestFaultKilled(t *testing.T) {
 	leakCheck(t)
 	parallel(t)
 	srv := redistest.Start(t)
-	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{Heartbeat: settleHeartbeat})
+	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{})
 	r.settle()
 	var killed, restarted time.Time
 	res := r.run(7*time.Second, nil,
@@ -991,7 +998,7 @@ func TestFaultOOM(t *testing.T) {
 			}
 		}
 	}
-	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{Heartbeat: settleHeartbeat})
+	r := newRig(t, clients(t, srv.Addr(), loadInstances), Config{})
 	r.settle()
 	var freed time.Time
 	res := r.run(5*time.Second, nil,
@@ -1181,7 +1188,7 @@ func TestFaultFailover(t *testing.T) {
 	parallel(t)
 	master, replica := redistest.StartReplicated(t)
 	px := faultproxy.Start(t, master.Addr())
-	r := newRig(t, clients(t, px.Addr(), loadInstances), Config{Heartbeat: settleHeartbeat})
+	r := newRig(t, clients(t, px.Addr(), loadInstances), Config{})
 	r.settle()
 	var repointed time.Time
 	res := r.run(6*time.Second, nil,

@@ -430,6 +430,7 @@ func TestOpsWithinBudget(t *testing.T) {
 // TestOpsOnCluster: Reset, Peek and AllowAtMost reach each key's master
 // on a 3-master Cluster.
 func TestOpsOnCluster(t *testing.T) {
+	leakCheck(t)
 	parallel(t) // as TestClusterFunctions
 	cl := redistest.StartCluster(t, 3)
 	const prefix = "ops:"

@@ -14,6 +14,15 @@ var simCost = flag.String("sim.cost", "", "simulator: append each seed's CPU tim
 
 var simCostMu sync.Mutex // orders a process's lines
 
+// simCostHeader names the columns of -sim.cost's lines.
+const simCostHeader = "seed\tcpu_ms\tcluster\tinstances\tslots\tevents\theartbeat\tduration\twaiters\tcalls\tfeatures\n"
+
+// startSimCost empties -sim.cost's file and writes its header, once, before
+// any seed runs: the processes that run the seeds then only append.
+func startSimCost() error {
+	return os.WriteFile(*simCost, []byte(simCostHeader), 0o644)
+}
+
 // writeSimCost appends seed's line to -sim.cost's file: the process's CPU
 // time (user and system) over the seed, cpu0 being it before, and what the
 // seed drew that its cost depends on. Several processes append to one file:
@@ -29,12 +38,9 @@ func writeSimCost(s schedule, cpu0 time.Duration, calls int) error {
 		strings.Join(s.features(), ","))
 	simCostMu.Lock()
 	defer simCostMu.Unlock()
-	f, err := os.OpenFile(*simCost, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+	f, err := os.OpenFile(*simCost, os.O_APPEND|os.O_WRONLY, 0)
 	if err != nil {
 		return err
-	}
-	if st, err := f.Stat(); err == nil && st.Size() == 0 {
-		line = "seed\tcpu_ms\tcluster\tinstances\tslots\tevents\theartbeat\tduration\twaiters\tcalls\tfeatures\n" + line
 	}
 	_, err = f.WriteString(line)
 	return errors.Join(err, f.Close())

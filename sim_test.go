@@ -2084,6 +2084,11 @@ func TestSim(t *testing.T) {
 		return
 	}
 	start := time.Now()
+	if *simCost != "" && !*simChild {
+		if err := startSimCost(); err != nil {
+			t.Fatalf("-sim.cost: %v", err)
+		}
+	}
 	var results []seedResult
 	switch procs := runtime.GOMAXPROCS(0); {
 	case *simChild:

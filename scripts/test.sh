@@ -28,11 +28,11 @@ start=$SECONDS
 # after another (92 s, against 53 s two at a time). Build errors show in
 # the run below.
 go test -race -count=1 "$@" -run '^$' ./... > /dev/null 2>&1 || true
-# -parallel 4: the root package's tests on real servers that mostly wait
-# (the `parallel` helper of faults_test.go) run four at a time; their load
+# -parallel 5: the root package's tests on real servers that mostly wait
+# (the `parallel` helper of faults_test.go) run five at a time; their load
 # is a few hundred decisions a second each, a quarter of a core for all of
 # them, and one after another they took a minute of the suite.
-go test -race -count=1 -p 1 -parallel 4 -timeout 15m "$@" ./...
+go test -race -count=1 -p 1 -parallel 5 -timeout 15m "$@" ./...
 echo "== the suite took $((SECONDS - start)) s"
 
 # Allocation counts, without the race detector: under it sync.Pool drops a

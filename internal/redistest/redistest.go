@@ -121,8 +121,17 @@ func lookPath(t testing.TB) string {
 	return bin
 }
 
+// handedOut holds the ports freePort has returned in this process, each
+// with its Cluster bus port: a server killed and restarted on its port
+// (Kill, Restart) leaves it free meanwhile, and a test running beside it
+// must not be given it.
+var handedOut = struct {
+	sync.Mutex
+	ports map[int]bool
+}{ports: map[int]bool{}}
+
 // freePort returns a loopback port below maxPort that, with port+10000, was
-// free a moment ago.
+// free a moment ago and that no earlier call returned, as either.
 func freePort(t testing.TB) int {
 	t.Helper()
 	for range 50 {
@@ -133,6 +142,15 @@ func freePort(t testing.TB) int {
 		port := ln.Addr().(*net.TCPAddr).Port
 		ln.Close()
 		if port >= maxPort {
+			continue
+		}
+		handedOut.Lock()
+		taken := handedOut.ports[port] || handedOut.ports[port+10000]
+		if !taken {
+			handedOut.ports[port], handedOut.ports[port+10000] = true, true
+		}
+		handedOut.Unlock()
+		if taken {
 			continue
 		}
 		bus, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port+10000)))
