@@ -18,16 +18,7 @@ import (
 // fails one command after the reset.
 func TestResetConnsDroppedFromPool(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		srv := simredis.New()
-		defer srv.Close()
-		link := simnet.NewLink()
-		c := redis.NewClient(&redis.Options{
-			Addr:       "10.0.0.1:6379", // an IP: a hostname would be looked up,
-			Protocol:   2,
-			MaxRetries: -1, // as the limiter's scripts are never retried
-			Dialer:     link.Dialer(func(c net.Conn) { srv.Serve(c, 0) }),
-		})
-		defer c.Close()
+		link, c := newClient(t)
 		ctx := context.Background()
 		// Fill the pool with several connections: with a latency, each
 		// ping waits for its reply on its own connection while the others
@@ -59,16 +50,7 @@ func TestResetConnsDroppedFromPool(t *testing.T) {
 // longer path does, whatever the number of writes the server makes of it.
 func TestLatencyOncePerReply(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		srv := simredis.New()
-		defer srv.Close()
-		link := simnet.NewLink()
-		c := redis.NewClient(&redis.Options{
-			Addr:       "10.0.0.1:6379", // an IP: a hostname would be looked up,
-			Protocol:   2,
-			MaxRetries: -1,
-			Dialer:     link.Dialer(func(c net.Conn) { srv.Serve(c, 0) }),
-		})
-		defer c.Close()
+		link, c := newClient(t)
 		ctx := context.Background()
 		if err := c.Ping(ctx).Err(); err != nil {
 			t.Fatal(err)
@@ -89,16 +71,7 @@ func TestLatencyOncePerReply(t *testing.T) {
 // sends a TCP RST; once it is off, connections work again.
 func TestResetNew(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		srv := simredis.New()
-		defer srv.Close()
-		link := simnet.NewLink()
-		c := redis.NewClient(&redis.Options{
-			Addr:       "10.0.0.1:6379", // an IP: a hostname would be looked up,
-			Protocol:   2,
-			MaxRetries: -1,
-			Dialer:     link.Dialer(func(c net.Conn) { srv.Serve(c, 0) }),
-		})
-		defer c.Close()
+		link, c := newClient(t)
 		ctx := context.Background()
 		link.ResetNew(true)
 		for i := range 3 {
@@ -114,4 +87,21 @@ func TestResetNew(t *testing.T) {
 			t.Fatalf("ping after ResetNew(false): %v", err)
 		}
 	})
+}
+
+// newClient returns a new link to a fresh simulated Redis and a client
+// that dials it, both closed when t ends: RESP2, and no retries, as the
+// limiter's scripts are never retried.
+func newClient(t *testing.T) (*simnet.Link, *redis.Client) {
+	srv := simredis.New()
+	t.Cleanup(srv.Close) // after the client's Close, registered next
+	link := simnet.NewLink()
+	c := redis.NewClient(&redis.Options{
+		Addr:       "10.0.0.1:6379", // an IP: a hostname would be looked up
+		Protocol:   2,
+		MaxRetries: -1,
+		Dialer:     link.Dialer(func(c net.Conn) { srv.Serve(c, 0) }),
+	})
+	t.Cleanup(func() { c.Close() })
+	return link, c
 }
