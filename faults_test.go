@@ -1032,7 +1032,10 @@ func TestFaultWrongType(t *testing.T) {
 	admin := srv.Client(t)
 	lr := &logRecorder{}
 	const burst = 100
-	lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: PerSecond(burst), Instances: loadInstances,
+	// A negligible rate: the exact Remaining below would otherwise count on
+	// no 10 ms stall between two decisions (a refill of 100 a second gives a
+	// token back; a cold clone's busy machine did stall so).
+	lim := newLimiter(t, Config{Redis: srv.Client(t), Limit: Limit{Rate: 1e-3, Burst: burst}, Instances: loadInstances,
 		Timeout: time.Second, Prefix: "wrongtype:", Logger: slog.New(lr)})
 	ctx := context.Background()
 	const key = "k"
